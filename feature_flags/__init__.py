@@ -1,0 +1,1 @@
+"""One module per feature: flags, defaults, requires/conflicts, validation, and the patches it applies."""

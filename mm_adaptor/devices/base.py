@@ -1,0 +1,96 @@
+"""What every device backend provides."""
+
+from __future__ import annotations
+
+import torch
+import wrapt
+
+from mm_adaptor.patching import PatchSet
+
+
+def compat_patch_sets() -> list[PatchSet]:
+    """Fixes megatron-core needs on every device when Transformer Engine / Apex are absent."""
+    from mm_adaptor.patches.megatron_compat import no_transformer_engine_patches, sequence_parallel_norm_patches
+
+    return [no_transformer_engine_patches(), sequence_parallel_norm_patches()]
+
+
+class DeviceBackend:
+    """Adapts torch/megatron to one device type. Subclasses fill in the patch sets."""
+
+    name = "base"
+    dist_backend = "nccl"
+    verified_on_hardware = True
+
+    def __init__(self) -> None:
+        self.reason = ""
+        self.installed = False
+        self._core_patches: list[PatchSet] = []
+        self._training_patches: list[PatchSet] = []
+        self._training_hook_registered = False
+
+    # Subclasses override these three.
+    def torch_device(self) -> torch.device:
+        raise NotImplementedError
+
+    def core_patch_sets(self) -> list[PatchSet]:
+        """Patches applied at install time (torch and megatron.core): the device's own, then the compat fixes."""
+        return [*self.device_patch_sets(), *compat_patch_sets()]
+
+    def device_patch_sets(self) -> list[PatchSet]:
+        return []
+
+    def training_patch_sets(self) -> list[PatchSet]:
+        """Patches applied when megatron.training.initialize is imported (Megatron-LM)."""
+        return []
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.reason}"
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        self._core_patches = self.core_patch_sets()
+        applied: list[PatchSet] = []
+        try:
+            for patch_set in self._core_patches:
+                patch_set.apply()
+                applied.append(patch_set)
+            self._activate()
+        except BaseException:
+            for patch_set in reversed(applied):
+                patch_set.revert()
+            raise
+        self.installed = True
+        if not self._training_hook_registered:
+            wrapt.register_post_import_hook(self._on_training_import, "megatron.training.initialize")
+            self._training_hook_registered = True
+
+    def uninstall(self) -> None:
+        if not self.installed:
+            return
+        for patch_set in reversed(self._training_patches):
+            patch_set.revert()
+        self._training_patches = []
+        self._deactivate()
+        for patch_set in reversed(self._core_patches):
+            patch_set.revert()
+        self._core_patches = []
+        self.installed = False
+
+    def _on_training_import(self, _module) -> None:
+        if not self.installed or self._training_patches:
+            return
+        sets = self.training_patch_sets()
+        for patch_set in sets:
+            patch_set.apply()
+            self._training_patches.append(patch_set)
+
+    def _activate(self) -> None:
+        """Backend-specific process state beyond patches (e.g. a torch function mode)."""
+
+    def _deactivate(self) -> None:
+        pass
+
+    def all_patch_sets(self) -> list[PatchSet]:
+        return [*self._core_patches, *self._training_patches]

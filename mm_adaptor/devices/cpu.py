@@ -1,0 +1,370 @@
+"""CPU backend: megatron-core's CUDA assumptions redirected to the CPU, NCCL to gloo.
+
+What it changes, and nothing more:
+- `torch.cuda` calls megatron makes (current device, RNG state, streams, events, synchronize,
+  memory statistics, device properties, nvtx) get CPU equivalents; `torch.cuda.is_available()`
+  stays False so torch's own internals keep their CPU paths.
+- A torch function mode maps device arguments naming CUDA ('cuda', 'cuda:N', ints,
+  torch.device('cuda')) to the CPU, makes `Tensor.cuda()`/`pin_memory()`/`record_stream()`
+  no-ops and lets `Tensor.type()` answer with the CUDA type names megatron compares against.
+- NCCL process groups become gloo.
+- Megatron's CUDA RNG-state helpers use the CPU generator (what dropout on the CPU draws from).
+- Megatron-LM's "Megatron requires CUDA" check is lifted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import types
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from mm_adaptor.devices.base import DeviceBackend
+from mm_adaptor.patching import Contract, PatchSet
+
+MEGATRON_CORE_016 = ">=0.16.0,<0.17"
+CPU = torch.device("cpu")
+
+
+def _is_cuda_device(dev) -> bool:
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    return isinstance(dev, int) and not isinstance(dev, bool)
+
+
+_CPU_TYPE_TO_CUDA = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.ByteTensor": "torch.cuda.ByteTensor",
+    "torch.CharTensor": "torch.cuda.CharTensor",
+    "torch.ShortTensor": "torch.cuda.ShortTensor",
+    "torch.IntTensor": "torch.cuda.IntTensor",
+    "torch.LongTensor": "torch.cuda.LongTensor",
+    "torch.BoolTensor": "torch.cuda.BoolTensor",
+}
+_CUDA_TYPE_TO_CPU = {v: k for k, v in _CPU_TYPE_TO_CUDA.items()}
+
+
+def _tensor_to(func, args, kwargs):
+    if len(args) > 1 and _is_cuda_device(args[1]):
+        args = (args[0], CPU, *args[2:])
+    return func(*args, **kwargs)
+
+
+def _tensor_type(func, args, kwargs):
+    if len(args) == 1 and not kwargs:
+        name = func(*args)
+        return _CPU_TYPE_TO_CUDA.get(name, name)
+    dtype = args[1] if len(args) > 1 else kwargs.pop("dtype", None)
+    if isinstance(dtype, str):
+        dtype = _CUDA_TYPE_TO_CPU.get(dtype, dtype)
+    return func(args[0], dtype, **kwargs)
+
+
+def _device_ctor(func, args, kwargs):
+    if args and _is_cuda_device(args[0]) and not isinstance(args[0], int):
+        return CPU
+    return func(*args, **kwargs)
+
+
+def _returns_self(func, args, kwargs):
+    return args[0]
+
+
+def _returns_none(func, args, kwargs):
+    return None
+
+
+_SPECIAL = {
+    torch.device: _device_ctor,
+    torch.Tensor.to: _tensor_to,
+    torch.Tensor.type: _tensor_type,
+    torch.Tensor.cuda: _returns_self,
+    torch.Tensor.pin_memory: _returns_self,
+    torch.Tensor.record_stream: _returns_none,
+}
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Maps CUDA device arguments to the CPU for every torch call made while installed."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        special = _SPECIAL.get(func)
+        if special is not None:
+            return special(func, args, kwargs)
+        if kwargs:
+            device = kwargs.get("device")
+            if device is not None and _is_cuda_device(device):
+                kwargs["device"] = CPU
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False
+        return func(*args, **kwargs)
+
+
+class CpuStream:
+    """Stands in for torch.cuda.Stream: CPU work is already ordered."""
+
+    device = CPU
+    cuda_stream = 0
+    priority = 0
+
+    def __init__(self, device=None, priority=0, **_kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        event = event or CpuEvent()
+        event.record(self)
+        return event
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class CpuEvent:
+    """Stands in for torch.cuda.Event; elapsed_time uses the host clock."""
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False, **_kwargs):
+        self._time = None
+
+    def record(self, stream=None):
+        self._time = time.perf_counter()
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end: "CpuEvent") -> float:
+        if self._time is None or end._time is None:
+            raise RuntimeError("elapsed_time needs both events recorded")
+        return (end._time - self._time) * 1000.0
+
+
+_DEFAULT_STREAM = CpuStream()
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _device_properties(device=None):
+    return types.SimpleNamespace(
+        name="cpu",
+        total_memory=_host_memory_bytes(),
+        major=0,
+        minor=0,
+        multi_processor_count=os.cpu_count() or 1,
+        is_integrated=False,
+        is_multi_gpu_board=False,
+    )
+
+
+def _noop(*_args, **_kwargs):
+    return None
+
+
+def _zero(*_args, **_kwargs):
+    return 0
+
+
+def _get_rng_state(device="cuda"):
+    return torch.get_rng_state()
+
+
+def _set_rng_state(new_state, device="cuda"):
+    torch.set_rng_state(new_state)
+
+
+def _manual_seed(seed):
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _megatron_get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
+    if graph_safe:
+        raise RuntimeError("CUDA-graph-safe RNG state is not available on the CPU backend")
+    return torch.get_rng_state()
+
+
+def _megatron_set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+    if graph_safe:
+        raise RuntimeError("CUDA-graph-safe RNG state is not available on the CPU backend")
+    torch.set_rng_state(new_state)
+
+
+def _to_gloo(backend):
+    if backend is None:
+        return backend
+    name = str(backend).lower()
+    return "gloo" if "nccl" in name else backend
+
+
+def _init_process_group_on_gloo(wrapped, instance, args, kwargs):
+    if args:
+        kwargs["backend"] = args[0]
+        args = args[1:]
+    kwargs["backend"] = _to_gloo(kwargs.get("backend")) or "gloo"
+    kwargs.pop("device_id", None)
+    return wrapped(*args, **kwargs)
+
+
+def _new_group_on_gloo(wrapped, instance, args, kwargs):
+    if len(args) >= 3:
+        args = list(args)
+        args[2] = _to_gloo(args[2])
+        if len(args) >= 4:
+            args[3] = None
+    if "backend" in kwargs:
+        kwargs["backend"] = _to_gloo(kwargs["backend"])
+    if kwargs.get("pg_options") is not None and (kwargs.get("backend") in (None, "gloo")):
+        kwargs["pg_options"] = None
+    return wrapped(*args, **kwargs)
+
+
+def _allow_no_cuda(wrapped, instance, args, kwargs):
+    kwargs["allow_no_cuda"] = True
+    return wrapped(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _null_context(*_args, **_kwargs):
+    yield
+
+
+class _CpuStreamContext(contextlib.nullcontext):
+    def __init__(self, stream=None):
+        super().__init__(stream)
+
+
+def _distinct(obj, target: str):
+    """A separate function object per target: torch._dynamo keys its rules by object identity."""
+    if isinstance(obj, types.FunctionType):
+        fn = types.FunctionType(obj.__code__, obj.__globals__, target.rsplit(".", 1)[-1], obj.__defaults__,
+                                obj.__closure__)
+        fn.__kwdefaults__ = obj.__kwdefaults__
+        fn.__qualname__ = f"cpu_backend.{target}"
+        return fn
+    return obj
+
+
+def _torch_cuda_patches() -> PatchSet:
+    ps = PatchSet("device:cpu")
+    torch_versions = Contract(versions=">=2.4", package="torch")
+    replacements = {
+        "torch.cuda.current_device": _zero,
+        "torch.cuda.set_device": _noop,
+        "torch.cuda.device_count": lambda: 1,
+        "torch.cuda.synchronize": _noop,
+        "torch.cuda.empty_cache": _noop,
+        "torch.cuda.get_rng_state": _get_rng_state,
+        "torch.cuda.set_rng_state": _set_rng_state,
+        "torch.cuda.random.get_rng_state": _get_rng_state,
+        "torch.cuda.random.set_rng_state": _set_rng_state,
+        "torch.cuda.manual_seed": _manual_seed,
+        "torch.cuda.manual_seed_all": _manual_seed,
+        "torch.cuda.default_generators": (torch.default_generator,),
+        "torch.cuda.Stream": CpuStream,
+        "torch.cuda.ExternalStream": CpuStream,
+        "torch.cuda.Event": CpuEvent,
+        "torch.cuda.current_stream": lambda device=None: _DEFAULT_STREAM,
+        "torch.cuda.default_stream": lambda device=None: _DEFAULT_STREAM,
+        "torch.cuda.set_stream": _noop,
+        "torch.cuda.stream": _CpuStreamContext,
+        "torch.cuda.device": _null_context,
+        "torch.cuda.memory_allocated": _zero,
+        "torch.cuda.max_memory_allocated": _zero,
+        "torch.cuda.memory_reserved": _zero,
+        "torch.cuda.max_memory_reserved": _zero,
+        "torch.cuda.reset_peak_memory_stats": _noop,
+        "torch.cuda.reset_max_memory_allocated": _noop,
+        "torch.cuda.memory_stats": lambda device=None: {},
+        "torch.cuda.get_device_properties": _device_properties,
+        "torch.cuda.get_device_name": lambda device=None: "cpu",
+        "torch.cuda.get_device_capability": lambda device=None: (0, 0),
+        "torch.cuda.nvtx.range_push": _noop,
+        "torch.cuda.nvtx.range_pop": _noop,
+        "torch.cuda.nvtx.mark": _noop,
+        "torch.cuda.nvtx.range": _null_context,
+    }
+    for target, new in replacements.items():
+        ps.replace(target, _distinct(new, target), contract=torch_versions)
+    ps.wrap("torch.distributed.distributed_c10d.init_process_group", _init_process_group_on_gloo,
+            contract=torch_versions)
+    ps.wrap("torch.distributed.distributed_c10d.new_group", _new_group_on_gloo, contract=torch_versions)
+    return ps
+
+
+def _megatron_core_patches() -> PatchSet:
+    ps = PatchSet("device:cpu:megatron-core")
+    ps.replace(
+        "megatron.core.tensor_parallel.random._get_cuda_rng_state",
+        _megatron_get_cuda_rng_state,
+        contract=Contract(versions=MEGATRON_CORE_016),
+    )
+    ps.replace(
+        "megatron.core.tensor_parallel.random._set_cuda_rng_state",
+        _megatron_set_cuda_rng_state,
+        contract=Contract(versions=MEGATRON_CORE_016),
+    )
+    return ps
+
+
+class CpuBackend(DeviceBackend):
+    name = "cpu"
+    dist_backend = "gloo"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mode: CudaToCpuMode | None = None
+
+    def torch_device(self) -> torch.device:
+        return CPU
+
+    def device_patch_sets(self):
+        return [_torch_cuda_patches(), _megatron_core_patches()]
+
+    def training_patch_sets(self):
+        ps = PatchSet("device:cpu:megatron-training")
+        ps.wrap("megatron.training.initialize.initialize_megatron", _allow_no_cuda,
+                contract=Contract(versions=MEGATRON_CORE_016))
+        return [ps]
+
+    def _activate(self) -> None:
+        self._mode = CudaToCpuMode()
+        self._mode.__enter__()
+
+    def _deactivate(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+

@@ -1,0 +1,202 @@
+"""Feature base class and registry. One module per feature lives in feature_flags/."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from mm_adaptor.patching import PatchSet
+
+
+class FeatureConfigError(ValueError):
+    """A feature's options conflict with the configuration; the message names the flags and the fix."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag of a feature.
+
+    `megatron_owned` marks flags Megatron-LM already defines (e.g. --use-flash-attn): under
+    Megatron-LM's parser the feature attaches to the existing flag instead of adding it again.
+    """
+
+    option: str
+    help: str
+    type: Callable[[str], Any] | None = None
+    default: Any = None
+    choices: tuple | None = None
+    megatron_owned: bool = False
+
+    @property
+    def dest(self) -> str:
+        return self.option.lstrip("-").replace("-", "_")
+
+    @property
+    def is_switch(self) -> bool:
+        return self.type is None
+
+    def default_value(self):
+        return False if self.is_switch and self.default is None else self.default
+
+    def add_to(self, parser_or_group) -> None:
+        if self.is_switch:
+            parser_or_group.add_argument(self.option, action="store_true", default=self.default_value(),
+                                         help=self.help)
+        else:
+            parser_or_group.add_argument(self.option, type=self.type, default=self.default,
+                                         choices=self.choices, help=self.help)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How close a feature's results must be to unpatched Megatron, and why."""
+
+    exact: bool
+    rtol: float = 0.0
+    atol: float = 0.0
+    why: str = ""
+
+    def describe(self) -> str:
+        if self.exact:
+            return f"bit-for-bit ({self.why})" if self.why else "bit-for-bit"
+        return f"rtol={self.rtol:g}, atol={self.atol:g} ({self.why})"
+
+
+BIT_FOR_BIT = Tolerance(exact=True, why="the math is unchanged")
+
+
+class Feature:
+    """Subclass, set the class attributes, implement `patch_sets`, and decorate with @register."""
+
+    name: str = ""
+    description: str = ""
+    flags: tuple[Flag, ...] = ()
+    requires: tuple[str, ...] = ()
+    conflicts: tuple[str, ...] = ()
+    tolerance: Tolerance = BIT_FOR_BIT
+
+    @property
+    def main_flag(self) -> Flag:
+        return self.flags[0]
+
+    def is_enabled(self, options) -> bool:
+        return bool(getattr(options, self.main_flag.dest, False))
+
+    def validate(self, options) -> None:
+        """Raise FeatureConfigError naming the flags in conflict and the fix."""
+
+    def patch_sets(self, options) -> list[PatchSet]:
+        raise NotImplementedError
+
+    def can_run_here(self) -> tuple[bool, str]:
+        return True, "yes"
+
+    def options_of(self, options) -> dict[str, Any]:
+        return {flag.dest: getattr(options, flag.dest, flag.default_value()) for flag in self.flags}
+
+
+_REGISTRY: dict[str, Feature] = {}
+_discovered = False
+
+
+def register(cls: type[Feature]) -> type[Feature]:
+    if not cls.name or not cls.flags:
+        raise TypeError(f"{cls.__name__} needs a name and at least one flag")
+    if cls.name in _REGISTRY and type(_REGISTRY[cls.name]) is not cls:
+        raise TypeError(f"feature {cls.name!r} is registered twice")
+    taken = {f.option: feat.name for feat in _REGISTRY.values() for f in feat.flags if feat.name != cls.name}
+    for flag in cls.flags:
+        if flag.option in taken:
+            raise TypeError(f"flag {flag.option} of {cls.name!r} already belongs to {taken[flag.option]!r}")
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def _discover() -> None:
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    import mm_adaptor.feature_flags as package
+
+    for info in pkgutil.iter_modules(package.__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{package.__name__}.{info.name}")
+
+
+def all_features() -> list[Feature]:
+    _discover()
+    return list(_REGISTRY.values())
+
+
+def get(name: str) -> Feature:
+    _discover()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"no feature named {name!r}; known: {', '.join(sorted(_REGISTRY)) or 'none'}") from None
+
+
+def all_flags() -> list[tuple[Feature, Flag]]:
+    return [(feature, flag) for feature in all_features() for flag in feature.flags]
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, title: str = "mm_adaptor features") -> argparse.ArgumentParser:
+    """Add every feature's flags; a flag the parser already has (Megatron-LM's own) is attached to, not re-added."""
+    existing = set(parser._option_string_actions)
+    group = parser.add_argument_group(title=title)
+    for _feature, flag in all_flags():
+        if flag.option in existing:
+            continue
+        flag.add_to(group)
+    return parser
+
+
+def fill_defaults(options) -> Any:
+    """Give an options namespace every feature dest it lacks, at its default."""
+    for _feature, flag in all_flags():
+        if not hasattr(options, flag.dest):
+            setattr(options, flag.dest, flag.default_value())
+    return options
+
+
+def enabled_features(options) -> list[Feature]:
+    return [feature for feature in all_features() if feature.is_enabled(options)]
+
+
+def validate(options, features: Iterable[Feature]) -> None:
+    features = list(features)
+    names = {feature.name for feature in features}
+    for feature in features:
+        for needed in feature.requires:
+            if needed not in names:
+                other = get(needed)
+                raise FeatureConfigError(
+                    f"{feature.main_flag.option} requires {other.main_flag.option}: add {other.main_flag.option} "
+                    f"or drop {feature.main_flag.option}"
+                )
+        for clash in feature.conflicts:
+            if clash in names:
+                other = get(clash)
+                raise FeatureConfigError(
+                    f"{feature.main_flag.option} cannot be combined with {other.main_flag.option}: "
+                    f"drop one of them"
+                )
+        feature.validate(options)
+
+
+@dataclass
+class AppliedFeature:
+    feature: Feature
+    options: dict[str, Any]
+    patch_sets: list[PatchSet] = field(default_factory=list)
+
+    def targets(self) -> list[str]:
+        return [target for ps in self.patch_sets for target in ps.targets()]

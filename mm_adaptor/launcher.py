@@ -1,0 +1,117 @@
+"""Start N local ranks on a free port, with a timeout; surface a failing rank's traceback."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+RANK_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class LaunchError(RuntimeError):
+    """A rank died, raised, or hung; the message carries its traceback or names the hung ranks."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def under_launcher() -> bool:
+    """True when torchrun (or another launcher) already set the rank environment."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _rank_entry(fn, args, rank, world_size, port, threads, errors):
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    if threads:
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        import torch
+
+        torch.set_num_threads(threads)
+    try:
+        fn(*args)
+    except BaseException as exc:  # noqa: BLE001 - everything a rank raises goes to the parent
+        errors.put((rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, timeout: float | None = None,
+           threads_per_rank: int | None = None) -> None:
+    """Run fn(*args) in `nproc` spawned ranks; raise LaunchError if any fails or time runs out."""
+    if nproc < 1:
+        raise ValueError(f"--nproc-per-node must be at least 1, got {nproc}")
+    if threads_per_rank is None:
+        threads_per_rank = max(1, (os.cpu_count() or 1) // nproc)
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_entry, args=(fn, args, rank, nproc, port, threads_per_rank, errors),
+                    name=f"rank{rank}", daemon=False)
+        for rank in range(nproc)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    failed: tuple[int, str, str] | None = None
+    try:
+        while any(p.is_alive() for p in procs):
+            if failed is None:
+                failed = _first_failure(procs, errors)
+                if failed is not None:
+                    _stop(procs, grace=5.0)
+                    break
+            if deadline is not None and time.monotonic() > deadline:
+                hung = [i for i, p in enumerate(procs) if p.is_alive()]
+                _stop(procs, grace=0.0)
+                raise LaunchError(
+                    f"timed out after {timeout:.0f}s: rank(s) {', '.join(map(str, hung))} still running "
+                    "(a hang in a collective usually means the ranks disagree on the layout or one rank "
+                    "skipped a communication)"
+                )
+            time.sleep(0.05)
+        if failed is None:
+            failed = _first_failure(procs, errors)
+    except KeyboardInterrupt:
+        _stop(procs, grace=0.0)
+        raise
+    finally:
+        for proc in procs:
+            proc.join(timeout=1.0)
+    if failed is not None:
+        rank, summary, tb = failed
+        raise LaunchError(f"rank {rank} failed: {summary}\n--- traceback of rank {rank} ---\n{tb}")
+
+
+def _first_failure(procs, errors):
+    if not errors.empty():
+        return errors.get()
+    for rank, proc in enumerate(procs):
+        if proc.exitcode not in (None, 0):
+            time.sleep(0.2)  # give its traceback a moment to arrive
+            if not errors.empty():
+                return errors.get()
+            return rank, f"exited with code {proc.exitcode} without a Python traceback (killed or crashed)", ""
+    return None
+
+
+def _stop(procs, grace: float) -> None:
+    end = time.monotonic() + grace
+    for proc in procs:
+        while proc.is_alive() and time.monotonic() < end:
+            time.sleep(0.05)
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=5.0)
+        if proc.is_alive():
+            proc.kill()

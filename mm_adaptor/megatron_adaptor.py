@@ -1,0 +1,12 @@
+"""The one-line import for Megatron-LM scripts: `import mm_adaptor.megatron_adaptor`.
+
+It installs the device backend, registers every feature's flags with Megatron-LM's parser, and
+arranges for the enabled features to be validated and applied right after Megatron validates its
+arguments. Nothing is read from sys.argv here.
+"""
+
+from mm_adaptor import devices
+from mm_adaptor.megatron_lm import register_hooks
+
+backend = devices.install()
+register_hooks()

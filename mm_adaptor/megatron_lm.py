@@ -1,0 +1,60 @@
+"""Hooks into Megatron-LM's argument handling (megatron.training), installed lazily on import."""
+
+from __future__ import annotations
+
+import wrapt
+
+from mm_adaptor import features
+from mm_adaptor.patching import Contract, PatchSet
+
+MEGATRON_016 = ">=0.16.0,<0.17"
+_hooks_registered = False
+_argument_patches: list[PatchSet] = []
+
+
+def _add_feature_arguments(wrapped, instance, args, kwargs):
+    parser = wrapped(*args, **kwargs)
+    return features.add_arguments(parser)
+
+
+def _enable_after_validation(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    megatron_args = args[0] if args else kwargs.get("args")
+    from mm_adaptor.api import enable
+
+    enable(megatron_args)
+    return result
+
+
+def _arguments_patch_set() -> PatchSet:
+    ps = PatchSet("megatron-lm:arguments")
+    contract = Contract(versions=MEGATRON_016)
+    ps.wrap("megatron.training.arguments.add_megatron_arguments", _add_feature_arguments, contract=contract)
+    ps.wrap("megatron.training.arguments.validate_args", _enable_after_validation, contract=contract)
+    return ps
+
+
+def _yaml_patch_set() -> PatchSet:
+    ps = PatchSet("megatron-lm:yaml-arguments")
+    ps.wrap("megatron.training.yaml_arguments.validate_yaml", _enable_after_validation,
+            contract=Contract(versions=MEGATRON_016))
+    return ps
+
+
+def _on_import(factory):
+    def hook(_module):
+        patch_set = factory()
+        patch_set.apply()
+        _argument_patches.append(patch_set)
+
+    return hook
+
+
+def register_hooks() -> None:
+    """Arrange for feature flags to reach Megatron-LM's parser whenever it is imported (before or after us)."""
+    global _hooks_registered
+    if _hooks_registered:
+        return
+    _hooks_registered = True
+    wrapt.register_post_import_hook(_on_import(_arguments_patch_set), "megatron.training.arguments")
+    wrapt.register_post_import_hook(_on_import(_yaml_patch_set), "megatron.training.yaml_arguments")

@@ -1,0 +1,85 @@
+"""Fixes megatron-core 0.16 needs to run at all without Transformer Engine (any device)."""
+
+from __future__ import annotations
+
+import torch
+
+from mm_adaptor.patching import Contract, PatchSet
+
+MEGATRON_CORE_016 = ">=0.16.0,<0.17"
+
+
+def _te_min_version_false_without_te(wrapped, instance, args, kwargs):
+    from megatron.core.utils import get_te_version
+
+    try:
+        if get_te_version() is None:
+            return False
+    except Exception:
+        return False
+    return wrapped(*args, **kwargs)
+
+
+def _move_split_sizes_to_host(tensor, as_numpy=False, record_stream=False):
+    """megatron's version converts only CUDA tensors; host tensors must honour as_numpy too."""
+    if torch.is_tensor(tensor):
+        if tensor.device.type != "cpu":
+            tensor = tensor.to(torch.device("cpu"), non_blocking=True)
+        if as_numpy:
+            tensor = tensor.numpy()
+    return tensor
+
+
+def _softmax_kernel_unavailable_without_extension(wrapped, instance, args, kwargs):
+    try:
+        return wrapped(*args, **kwargs)
+    except ImportError:
+        return False
+
+
+def _sequence_parallel_torch_norm(wrapped, instance, args, kwargs):
+    """Build the torch norm under sequence parallelism and mark its weights sequence-parallel.
+
+    A norm is per token, so it runs unchanged on sequence shards; its weight gradients are partial
+    sums per TP rank, and megatron all-reduces the grads of parameters marked `sequence_parallel`
+    across the TP group (exactly what it does for Transformer Engine's norms).
+    """
+    config = args[1] if len(args) > 1 else kwargs["config"]
+    if not config.sequence_parallel:
+        return wrapped(*args, **kwargs)
+    config.sequence_parallel = False
+    try:
+        norm = wrapped(*args, **kwargs)
+    finally:
+        config.sequence_parallel = True
+    for param in norm.parameters():
+        param.sequence_parallel = True
+    return norm
+
+
+def sequence_parallel_norm_patches() -> PatchSet:
+    """The local spec's torch norm (used without Apex/TE) refuses sequence parallelism; this lifts that."""
+    ps = PatchSet("compat:sequence-parallel-torch-norm")
+    ps.wrap("megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__", _sequence_parallel_torch_norm,
+            contract=Contract(versions=MEGATRON_CORE_016))
+    return ps
+
+
+def no_transformer_engine_patches() -> PatchSet:
+    """Applied by every backend when Transformer Engine is not installed."""
+    ps = PatchSet("compat:no-transformer-engine")
+    try:
+        import transformer_engine  # noqa: F401
+
+        return ps
+    except Exception:
+        pass
+    core = Contract(versions=MEGATRON_CORE_016)
+    ps.wrap("megatron.core.utils.is_te_min_version", _te_min_version_false_without_te, contract=core)
+    ps.replace("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu",
+               _move_split_sizes_to_host, contract=core)
+    ps.wrap("megatron.core.fusions.fused_softmax.FusedScaleMaskSoftmax.is_kernel_available",
+            _softmax_kernel_unavailable_without_extension, contract=core)
+    # RouterGatingLinearFunction reads this name, which megatron defines only when TE imports.
+    ps.replace("megatron.core.transformer.moe.moe_utils.te_general_gemm", None, contract=core, create=True)
+    return ps
