@@ -9,11 +9,17 @@ def _metadata(state) -> dict:
     from megatron.core import parallel_state as ps
 
     return {
-        "distrib_optim_sharding_type": "fully_reshardable",
+        "distrib_optim_sharding_type": "dp_reshardable",
         "singleton_local_shards": False,
         "chained_optim_avoid_prefix": True,
         "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
     }
+
+
+def _unwrap(chunk):
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
 
 
 def _model_key(state, index: int) -> str:
@@ -22,7 +28,7 @@ def _model_key(state, index: int) -> str:
 
 def _sharded_state_dict(state, *, is_loading: bool) -> dict:
     metadata = _metadata(state)
-    sd = {_model_key(state, i): chunk.sharded_state_dict(metadata=metadata) for i, chunk in enumerate(state.model)}
+    sd = {_model_key(state, i): _unwrap(chunk).sharded_state_dict(metadata=metadata) for i, chunk in enumerate(state.model)}
     sd["optimizer"] = state.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=metadata)
     sd["iteration"] = state.iteration
     sd["opt_param_scheduler"] = state.scheduler.state_dict()
@@ -56,7 +62,7 @@ def load_checkpoint(state, directory: str) -> int:
     path = Path(directory) / f"iter_{iteration:07d}"
     loaded = dist_checkpointing.load(_sharded_state_dict(state, is_loading=True), str(path))
     for i, chunk in enumerate(state.model):
-        chunk.load_state_dict(loaded[_model_key(state, i)])
+        _unwrap(chunk).load_state_dict(loaded[_model_key(state, i)])
     state.optimizer.load_state_dict(loaded["optimizer"])
     state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     return int(loaded["iteration"])

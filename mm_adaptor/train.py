@@ -165,8 +165,11 @@ class MockBatches:
     """Deterministic synthetic token streams with a learnable next-token rule.
 
     Sample g depends only on (seed, g), so every layout sees the same global batch.
-    Each sequence is an arithmetic progression modulo the vocabulary with a per-sample start and stride.
+    Each sequence is an arithmetic progression over the first ALPHABET token ids with a per-sample
+    start and stride, so the loss falls quickly (unigram) and keeps falling (the stride rule).
     """
+
+    ALPHABET = 128
 
     def __init__(self, args, dp_rank: int, start_iteration: int = 0):
         import torch
@@ -180,7 +183,7 @@ class MockBatches:
     def sample(self, global_index: int):
         torch = self.torch
         gen = torch.Generator().manual_seed(self.args.seed * 1_000_003 + global_index)
-        vocab = self.args.vocab_size
+        vocab = min(self.args.vocab_size, self.ALPHABET)
         start = int(torch.randint(0, vocab, (1,), generator=gen))
         stride = int(torch.randint(1, 8, (1,), generator=gen))
         seq = (start + stride * torch.arange(self.args.seq_length + 1)) % vocab

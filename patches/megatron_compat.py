@@ -57,6 +57,46 @@ def _sequence_parallel_torch_norm(wrapped, instance, args, kwargs):
     return norm
 
 
+def _dist_optimizer_state_dict_before_first_step(wrapped, instance, args, kwargs):
+    """With torch's own Adam (no Apex/TE), megatron reads `step` from the per-parameter state, which is
+    empty until the first step, so building a checkpoint-loading template for a fresh optimizer
+    asserts. Before the first step the step is 0."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE or instance.optimizer.state:
+        return wrapped(*args, **kwargs)
+    inner = instance.optimizer.state_dict()
+    state_dict = {"optimizer": {k: v for k, v in inner.items() if k != "state"}}
+    for group in state_dict["optimizer"]["param_groups"]:
+        del group["params"]
+        group["step"] = 0
+    if instance.grad_scaler:
+        state_dict["grad_scaler"] = instance.grad_scaler.state_dict()
+    return state_dict
+
+
+def _restore_adam_step_after_load(wrapped, instance, args, kwargs):
+    """With torch's own Adam, the per-parameter `step` ends up 0 after megatron's dp_reshardable load
+    (the checkpoint's step lives in the param groups); Adam's bias correction needs the real step."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    result = wrapped(*args, **kwargs)
+    if not distrib_optimizer.HAVE_APEX_OR_TE:
+        for group in instance.optimizer.param_groups:
+            if group.get("step") is None:
+                continue
+            for param in group["params"]:
+                state = instance.optimizer.state.get(param)
+                if state is not None and "step" in state:
+                    state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+    return result
+
+
+def _without_autograd(wrapped, instance, args, kwargs):
+    with torch.no_grad():
+        return wrapped(*args, **kwargs)
+
+
 def sequence_parallel_norm_patches() -> PatchSet:
     """The local spec's torch norm (used without Apex/TE) refuses sequence parallelism; this lifts that."""
     ps = PatchSet("compat:sequence-parallel-torch-norm")
@@ -80,6 +120,13 @@ def no_transformer_engine_patches() -> PatchSet:
                _move_split_sizes_to_host, contract=core)
     ps.wrap("megatron.core.fusions.fused_softmax.FusedScaleMaskSoftmax.is_kernel_available",
             _softmax_kernel_unavailable_without_extension, contract=core)
+    ps.wrap("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict",
+            _dist_optimizer_state_dict_before_first_step, contract=core)
+    # In fp32 the main params are views of the model params; megatron copies into them with autograd on.
+    ps.wrap("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_parameter_state_from_dp_reshardable",
+            _without_autograd, contract=core)
+    ps.wrap("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict",
+            _restore_adam_step_after_load, contract=core)
     # RouterGatingLinearFunction reads this name, which megatron defines only when TE imports.
     ps.replace("megatron.core.transformer.moe.moe_utils.te_general_gemm", None, contract=core, create=True)
     return ps

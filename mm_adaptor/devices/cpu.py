@@ -55,6 +55,8 @@ _CUDA_TYPE_TO_CPU = {v: k for k, v in _CPU_TYPE_TO_CUDA.items()}
 def _tensor_to(func, args, kwargs):
     if len(args) > 1 and _is_cuda_device(args[1]):
         args = (args[0], CPU, *args[2:])
+    if _is_cuda_device(kwargs.get("device")):
+        kwargs["device"] = CPU
     return func(*args, **kwargs)
 
 
