@@ -1,0 +1,69 @@
+"""Local-rank launcher (failures and hangs surface clearly) and layout validation."""
+
+import argparse
+import time
+
+import pytest
+
+from mm_adaptor.launcher import LaunchError, launch
+from mm_adaptor.train import LayoutError, build_parser, finalize_args
+
+
+def _fail_on_rank_one():
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise ValueError("boom on purpose")
+
+
+def _hang():
+    time.sleep(60)
+
+
+def _ok():
+    pass
+
+
+def test_child_traceback_is_surfaced():
+    with pytest.raises(LaunchError, match="rank 1 failed: ValueError: boom on purpose") as info:
+        launch(_fail_on_rank_one, nproc=2, timeout=60)
+    assert "_fail_on_rank_one" in str(info.value)
+
+
+def test_hang_is_reported_with_ranks():
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"timed out after 3s: rank\(s\) 0, 1 still running"):
+        launch(_hang, nproc=2, timeout=3)
+    assert time.monotonic() - start < 30
+
+
+def test_success():
+    launch(_ok, nproc=2, timeout=60)
+
+
+def _args(*argv):
+    return build_parser().parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["--tensor-model-parallel-size", "3"], 2, "not divisible by --tensor-model-parallel-size 3"),
+    (["--sequence-parallel"], 2, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], 2, "--num-layers 3 is not divisible"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--global-batch-size", "6"], 2,
+     "multiple of --pipeline-model-parallel-size"),
+    (["--expert-model-parallel-size", "2"], 2, "needs --num-experts"),
+    (["--bf16", "--fp16"], 2, "exclusive"),
+    (["--global-batch-size", "3"], 2, "not divisible by --micro-batch-size"),
+    (["--overlap-param-gather"], 2, "needs --use-distributed-optimizer"),
+])
+def test_bad_layouts_are_named(argv, world, message):
+    with pytest.raises(LayoutError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        finalize_args(_args(*argv), world)
+
+
+def test_derived_layout():
+    args = finalize_args(_args("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                               "--global-batch-size", "8"), 2)
+    assert args.virtual_pipeline_model_parallel_size == 2
+    assert args.data_parallel_size == 1 and args.num_microbatches == 4
