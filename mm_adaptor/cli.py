@@ -69,12 +69,92 @@ def _megatron_lm_location() -> str:
     return spec.origin if spec and spec.origin else "not importable (Megatron-LM is optional)"
 
 
+def check_main(argv: list[str]) -> int:
+    """mm-adaptor check --use-X [...] [--layout L|all] [--bf16] [model/layout flags]."""
+    from mm_adaptor import harness
+
+    parser = argparse.ArgumentParser(
+        prog="mm-adaptor check", allow_abbrev=False,
+        description="Train the tiny GPT with the given features off and on (fresh processes, same seeds and data) "
+                    "and compare per-step losses, final gradients and parameters against the features' tolerance. "
+                    "Any other flag is passed to mm-adaptor train for both runs.")
+    parser.add_argument("--layout", default="tp2-sp",
+                        help=f"one of {', '.join(harness.LAYOUTS)}, or 'all' (default tp2-sp)")
+    parser.add_argument("--iters", type=int, default=5, help="training steps per run (default 5)")
+    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--show-training", action="store_true", help="print both runs' iteration lines")
+    args, rest = parser.parse_known_args(argv)
+    feature_flags = {flag.option for _, flag in features_all_flags()}
+    feature_args, extra = _split_feature_args(rest, feature_flags)
+    layouts = list(harness.LAYOUTS) if args.layout == "all" else [args.layout]
+    failed = []
+    for layout in layouts:
+        try:
+            result = harness.compare(feature_args, layout=layout, extra_args=extra, iters=args.iters,
+                                     nproc=args.nproc_per_node, timeout=args.timeout, echo=args.show_training)
+        except harness.HarnessError as exc:
+            print(f"mm-adaptor check: {exc}", file=sys.stderr)
+            return 2
+        print(harness.format_comparison(result), flush=True)
+        if not result.passed:
+            failed.append(layout)
+    if len(layouts) > 1:
+        print(f"summary: {len(layouts) - len(failed)}/{len(layouts)} layouts within tolerance"
+              + (f"; outside: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def features_all_flags():
+    from mm_adaptor import features
+
+    return features.all_flags()
+
+
+def _split_feature_args(argv: list[str], feature_flags: set[str]) -> tuple[list[str], list[str]]:
+    """Feature flags (with their values) go to the 'on' run only; everything else to both runs."""
+    from mm_adaptor import features
+
+    takes_value = {flag.option for _, flag in features.all_flags() if not flag.is_switch}
+    feature_args, extra = [], []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name = token.split("=", 1)[0]
+        if name in feature_flags:
+            feature_args.append(token)
+            if name in takes_value and "=" not in token and i + 1 < len(argv):
+                feature_args.append(argv[i + 1])
+                i += 1
+        else:
+            extra.append(token)
+        i += 1
+    return feature_args, extra
+
+
+def fingerprint_main(argv: list[str]) -> int:
+    from mm_adaptor.patching import fingerprint, resolve
+
+    if not argv:
+        print("usage: mm-adaptor fingerprint DOTTED.TARGET [...]", file=sys.stderr)
+        return 2
+    for target in argv:
+        owner, name = resolve(target)
+        original = owner.__dict__[name] if isinstance(owner, type) and name in owner.__dict__ else getattr(owner, name)
+        print(f"{target} {fingerprint(original)}")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="mm-adaptor", description="Acceleration adaptor for Megatron-Core.")
-    sub = parser.add_subparsers(dest="command", metavar="{report,train}")
+    sub = parser.add_subparsers(dest="command", metavar="{report,train,check,fingerprint}")
     sub.add_parser("report", help="versions, device backend, native ops and every feature")
     sub.add_parser("train", help="train the built-in tiny GPT (see mm-adaptor train --help)", add_help=False)
+    sub.add_parser("check", help="features off vs on: losses, gradients, memory (see mm-adaptor check --help)",
+                   add_help=False)
+    sub.add_parser("fingerprint", help="print the contract fingerprint of dotted targets (for patch authors)",
+                   add_help=False)
     if not argv:
         parser.print_help()
         return 2
@@ -83,6 +163,10 @@ def main(argv=None) -> int:
         from mm_adaptor.train import main as train_main
 
         return train_main(rest)
+    if command == "check":
+        return check_main(rest)
+    if command == "fingerprint":
+        return fingerprint_main(rest)
     args = parser.parse_args(argv)
     if args.command == "report":
         print("\n".join(report_lines()))

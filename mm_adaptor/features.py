@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -98,6 +99,9 @@ class Feature:
         return {flag.dest: getattr(options, flag.dest, flag.default_value()) for flag in self.flags}
 
 
+# Comma-separated modules that register features of their own (plugins, or test variants).
+EXTRA_FEATURES_ENV = "MM_ADAPTOR_FEATURE_MODULES"
+
 _REGISTRY: dict[str, Feature] = {}
 _discovered = False
 
@@ -129,6 +133,8 @@ def _discover() -> None:
     for info in pkgutil.iter_modules(package.__path__):
         if not info.name.startswith("_"):
             importlib.import_module(f"{package.__name__}.{info.name}")
+    for module in filter(None, os.environ.get(EXTRA_FEATURES_ENV, "").split(",")):
+        importlib.import_module(module.strip())
 
 
 def all_features() -> list[Feature]:

@@ -87,6 +87,7 @@ def build_parser(prog: str = "mm-adaptor train") -> argparse.ArgumentParser:
                    help="write per-rank losses, final gradients and parameters here (used by mm-adaptor check)")
     t.add_argument("--timeout", type=float, default=900.0, help="seconds before local ranks are declared hung")
     t.add_argument("--quiet", action="store_true", help="print only the final summary")
+    t.add_argument("--silent", action="store_true", help="print nothing (for harnesses that read --dump)")
 
     features.add_arguments(p)
     return p
@@ -377,6 +378,7 @@ class RunState:
     scheduler: object = None
     iteration: int = 0
     records: list = field(default_factory=list)
+    memory: dict = field(default_factory=dict)
 
 
 def _set_seeds(seed: int) -> None:
@@ -390,14 +392,35 @@ def _set_seeds(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+_SILENT = False
+
+
 def _print_last_rank(msg: str) -> None:
     import torch.distributed as dist
 
-    if dist.get_rank() == dist.get_world_size() - 1:
+    if not _SILENT and dist.get_rank() == dist.get_world_size() - 1:
         print(msg, flush=True)
 
 
-def train_step(state: RunState, data_iterators, forward_backward_func):
+def measured_forward_step(state: RunState):
+    """forward_step that records saved-activation bytes per layer during its first call."""
+    from mm_adaptor.memory import SavedTensorAccountant
+
+    accountant = SavedTensorAccountant(state.model)
+
+    def step(data_iterator, model):
+        if "saved_bytes_per_layer" in state.memory:
+            return forward_step(data_iterator, model)
+        with accountant.hooks():
+            result = forward_step(data_iterator, model)
+        state.memory["saved_bytes_per_layer"] = accountant.bytes_per_layer()
+        accountant.close()
+        return result
+
+    return step
+
+
+def train_step(state: RunState, data_iterators, forward_backward_func, step_func=forward_step):
     import torch
     from megatron.core import parallel_state as ps
 
@@ -406,7 +429,7 @@ def train_step(state: RunState, data_iterators, forward_backward_func):
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
     losses = forward_backward_func(
-        forward_step_func=forward_step,
+        forward_step_func=step_func,
         data_iterator=data_iterators if len(data_iterators) > 1 else data_iterators[0],
         model=state.model,
         num_microbatches=args.num_microbatches,
@@ -461,6 +484,8 @@ def run_rank(args: argparse.Namespace) -> None:
     import mm_adaptor
     from mm_adaptor import devices
 
+    global _SILENT
+    _SILENT = args.silent
     backend = devices.install()
     mm_adaptor.enable(args)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -530,7 +555,8 @@ def _train(args, backend) -> None:
     while state.iteration < args.train_iters:
         dist.barrier()
         t0 = time.perf_counter()
-        loss, grad_norm = train_step(state, data, fb)
+        measure = args.dump is not None and state.iteration == start_iteration
+        loss, grad_norm = train_step(state, data, fb, measured_forward_step(state) if measure else forward_step)
         elapsed = time.perf_counter() - t0
         state.iteration += 1
         loss = _share_loss_from_last_stage(loss)
@@ -607,9 +633,14 @@ def write_dump(state: RunState, directory: str) -> None:
                 g = p.grad
             if g is not None:
                 grads[key] = g.detach().float().clone()
+    from mm_adaptor.memory import optimizer_state_bytes, parameter_bytes
+
+    memory = dict(state.memory, parameter_bytes=parameter_bytes(state.model),
+                  optimizer_state_bytes=optimizer_state_bytes(state.optimizer, state.model))
     rank = dist.get_rank()
     torch.save({"losses": [r.loss for r in state.records], "grad_norms": [r.grad_norm for r in state.records],
-                "grads": grads, "params": params}, path / f"rank{rank}.pt")
+                "grads": grads, "params": params, "memory": memory,
+                "features": mm_adaptor_applied()}, path / f"rank{rank}.pt")
     if rank == 0:
         (path / "args.json").write_text(json.dumps({k: v for k, v in vars(state.args).items()
                                                     if isinstance(v, (int, float, str, bool, type(None)))},

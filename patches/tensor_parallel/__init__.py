@@ -1,0 +1,1 @@
+"""Patches of megatron.core.tensor_parallel."""
