@@ -8,8 +8,6 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 . .venv/bin/activate
-python -m pip install -q --upgrade pip
 # Install torch first so the dependency resolver keeps this build (no CUDA wheel is pulled in).
 python -c "import torch" 2>/dev/null || python -m pip install -q "$TORCH_SPEC"
 python -m pip install -q -e ".[test]"
-python -m mm_adaptor.cli report | head -12
