@@ -20,9 +20,15 @@ def _add_feature_arguments(wrapped, instance, args, kwargs):
 def _enable_after_validation(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     megatron_args = args[0] if args else kwargs.get("args")
+    from mm_adaptor import __version__, devices
     from mm_adaptor.api import enable
 
-    enable(megatron_args)
+    active = enable(megatron_args)
+    if getattr(megatron_args, "rank", 0) == 0:
+        backend = devices.current()
+        listed = "; ".join(f"{name} ({len(targets)} patches)" for name, targets in active.items()) or "none"
+        print(f"> mm_adaptor {__version__}: device backend {backend.name if backend else '?'}; "
+              f"features applied: {listed}", flush=True)
     return result
 
 

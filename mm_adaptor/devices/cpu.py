@@ -189,6 +189,10 @@ def _device_properties(device=None):
         multi_processor_count=os.cpu_count() or 1,
         is_integrated=False,
         is_multi_gpu_board=False,
+        gcnArchName="",  # empty, as on NVIDIA devices (torch's compile cache reads it)
+        warp_size=1,
+        L2_cache_size=0,
+        uuid="cpu",
     )
 
 
@@ -251,6 +255,13 @@ def _new_group_on_gloo(wrapped, instance, args, kwargs):
     if kwargs.get("pg_options") is not None and (kwargs.get("backend") in (None, "gloo")):
         kwargs["pg_options"] = None
     return wrapped(*args, **kwargs)
+
+
+CPU_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+def _skip_cuda_kernel_build(args=None):
+    return None
 
 
 def _allow_no_cuda(wrapped, instance, args, kwargs):
@@ -348,6 +359,7 @@ class CpuBackend(DeviceBackend):
     def __init__(self) -> None:
         super().__init__()
         self._mode: CudaToCpuMode | None = None
+        self._saved_env: dict[str, str | None] = {}
 
     def torch_device(self) -> torch.device:
         return CPU
@@ -357,11 +369,17 @@ class CpuBackend(DeviceBackend):
 
     def training_patch_sets(self):
         ps = PatchSet("device:cpu:megatron-training")
-        ps.wrap("megatron.training.initialize.initialize_megatron", _allow_no_cuda,
-                contract=Contract(versions=MEGATRON_CORE_016))
+        contract = Contract(versions=MEGATRON_CORE_016)
+        ps.wrap("megatron.training.initialize.initialize_megatron", _allow_no_cuda, contract=contract)
+        # Megatron-LM's legacy fused CUDA kernels (built with nvcc at start-up) cannot run on the CPU.
+        ps.replace("megatron.legacy.fused_kernels.load", _skip_cuda_kernel_build, contract=contract)
         return [ps]
 
     def _activate(self) -> None:
+        # Megatron-LM asserts this CUDA scheduling setting for TP; it has no meaning on the CPU.
+        self._saved_env = {k: os.environ.get(k) for k in CPU_ENV}
+        for key, value in CPU_ENV.items():
+            os.environ.setdefault(key, value)
         self._mode = CudaToCpuMode()
         self._mode.__enter__()
 
@@ -369,4 +387,9 @@ class CpuBackend(DeviceBackend):
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 

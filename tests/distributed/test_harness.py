@@ -22,7 +22,13 @@ def broken_features(monkeypatch):
     from mm_adaptor import features
 
     monkeypatch.setenv(features.EXTRA_FEATURES_ENV, "broken_ce_feature")
-    import broken_ce_feature  # noqa: F401  (registers in this process too)
+    import importlib
+    import sys
+
+    if "broken_ce_feature" in sys.modules:  # a previous test registered and then unregistered it
+        importlib.reload(sys.modules["broken_ce_feature"])
+    else:
+        importlib.import_module("broken_ce_feature")  # registers in this process too
 
     yield
     for name in ("test-broken-forward-ce", "test-broken-backward-ce"):
