@@ -41,10 +41,11 @@ def report_lines() -> list[str]:
                                               else "torch_npu not installed: NPU path not verified on hardware here"))
     lines.append("")
     ops = ops_status()
-    lines.append("native ops")
-    lines.append(f"  {ops['note']}")
-    for op, state in ops.get("ops", {}).items():
-        lines.append(f"  {op:<22} {state}")
+    lines.append(f"native ops ({', '.join(ops['ops'])})")
+    for device, state in ops["devices"].items():
+        lines.append(f"  {device:<20} {state}")
+    lines.append(f"  {'note':<20} {ops['note']}")
+    lines.append(f"  {'cache':<20} {ops['cache']}")
     lines.append("")
     registered = features.all_features()
     lines.append(f"features ({len(registered)})")
@@ -132,6 +133,27 @@ def _split_feature_args(argv: list[str], feature_flags: set[str]) -> tuple[list[
     return feature_args, extra
 
 
+def build_ops_main(argv: list[str]) -> int:
+    from mm_adaptor.ops import builder
+
+    parser = argparse.ArgumentParser(prog="mm-adaptor build-ops",
+                                     description="Build the native ops ahead of time into the shared cache.")
+    parser.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
+    parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
+    args = parser.parse_args(argv)
+    devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
+    failed = False
+    for device in devices:
+        try:
+            result = builder.build(device, verbose=args.verbose)
+            print(f"{device}: {'built' if result.built_now else 'already built'} -> {result.library} "
+                  f"({result.seconds:.1f} s)")
+        except builder.BuildUnavailable as exc:
+            print(f"{device}: not built: {exc}")
+            failed = failed or args.device != "all"
+    return 1 if failed else 0
+
+
 def fingerprint_main(argv: list[str]) -> int:
     from mm_adaptor.patching import fingerprint, resolve
 
@@ -148,13 +170,14 @@ def fingerprint_main(argv: list[str]) -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="mm-adaptor", description="Acceleration adaptor for Megatron-Core.")
-    sub = parser.add_subparsers(dest="command", metavar="{report,train,check,fingerprint}")
+    sub = parser.add_subparsers(dest="command", metavar="{report,train,check,build-ops,fingerprint}")
     sub.add_parser("report", help="versions, device backend, native ops and every feature")
     sub.add_parser("train", help="train the built-in tiny GPT (see mm-adaptor train --help)", add_help=False)
     sub.add_parser("check", help="features off vs on: losses, gradients, memory (see mm-adaptor check --help)",
                    add_help=False)
     sub.add_parser("fingerprint", help="print the contract fingerprint of dotted targets (for patch authors)",
                    add_help=False)
+    sub.add_parser("build-ops", help="build the native ops ahead of time", add_help=False)
     if not argv:
         parser.print_help()
         return 2
@@ -167,6 +190,8 @@ def main(argv=None) -> int:
         return check_main(rest)
     if command == "fingerprint":
         return fingerprint_main(rest)
+    if command == "build-ops":
+        return build_ops_main(rest)
     args = parser.parse_args(argv)
     if args.command == "report":
         print("\n".join(report_lines()))

@@ -1,0 +1,153 @@
+"""Builds the native ops library just in time (or ahead of time with `mm-adaptor build-ops`).
+
+The build is cached under a key made of the torch version, the compiler, the Python ABI, the flags and the
+sources, and guarded by an exclusive file lock, so that many ranks starting at once build once and the
+others wait and load the result. A lock held by a process that dies is released by the OS.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CACHE_ENV = "MM_ADAPTOR_OPS_CACHE"
+CSRC = Path(__file__).resolve().parent / "csrc"
+CXX_FLAGS = ["-O3", "-std=c++20", "-fopenmp"]
+NVCC_FLAGS = ["-O3", "-std=c++20", "--use_fast_math", "-U__CUDA_NO_HALF_OPERATORS__",
+              "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF_CONVERSIONS__"]
+
+
+class BuildUnavailable(RuntimeError):
+    """No compiler or toolkit: the reference implementations run instead."""
+
+
+@dataclass
+class BuildResult:
+    device: str
+    library: Path
+    built_now: bool
+    seconds: float
+
+
+def cache_root() -> Path:
+    configured = os.environ.get(CACHE_ENV)
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mm_adaptor" / "ops"
+
+
+def sources(device: str) -> list[Path]:
+    suffix = ".cu" if device == "cuda" else ".cpp"
+    return sorted((CSRC / device).glob(f"*{suffix}"))
+
+
+def compiler(device: str) -> str:
+    exe = os.environ.get("CXX", "c++")
+    if shutil.which(exe) is None:
+        raise BuildUnavailable(f"no C++ compiler ({exe!r} not found; set CXX)")
+    if device == "cuda":
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        if CUDA_HOME is None or not torch.cuda.is_available():
+            raise BuildUnavailable("no CUDA toolkit or no CUDA device for the CUDA kernels")
+    try:
+        version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise BuildUnavailable(f"cannot run the C++ compiler {exe!r}: {exc}") from exc
+    return version.splitlines()[0] if version else exe
+
+
+def cache_key(device: str) -> str:
+    digest = hashlib.sha256()
+    for part in (torch.__version__, str(torch.version.cuda), sys.version, compiler(device),
+                 " ".join(CXX_FLAGS + NVCC_FLAGS)):
+        digest.update(part.encode())
+    for src in sources(device):
+        digest.update(src.name.encode())
+        digest.update(src.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+class _Ticker:
+    """Prints a progress line while a long build runs."""
+
+    def __init__(self, label: str, every: float = 15.0):
+        self.label, self.every = label, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.start = time.monotonic()
+
+    def _run(self):
+        while not self._stop.wait(self.every):
+            print(f"mm_adaptor: still {self.label} ({time.monotonic() - self.start:.0f} s)", file=sys.stderr,
+                  flush=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        return False
+
+
+def cached_library(device: str) -> Path | None:
+    """The built library for `device` if the cache already has it (no build)."""
+    library = cache_root() / f"{device}-{cache_key(device)}" / f"mm_adaptor_ops_{device}.so"
+    return library if library.exists() else None
+
+
+def build(device: str, *, verbose: bool = False) -> BuildResult:
+    """Build (if needed) and load the native library for `device` ('cpu' or 'cuda')."""
+    srcs = sources(device)
+    if not srcs:
+        raise BuildUnavailable(f"no {device} sources under {CSRC / device}")
+    key = cache_key(device)
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"mm_adaptor_ops_{device}"
+    build_dir = root / f"{device}-{key}"
+    build_dir.mkdir(exist_ok=True)
+    library = build_dir / f"{name}.so"
+    start = time.monotonic()
+    with open(root / f"{device}-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            built_now = not library.exists()
+            if built_now:
+                print(f"mm_adaptor: building native {device} ops ({len(srcs)} sources; first use, about a minute; "
+                      f"cached in {build_dir})", file=sys.stderr, flush=True)
+                with _Ticker(f"building native {device} ops"):
+                    _compile(device, name, srcs, build_dir, verbose)
+                with open(root / "builds.log", "a") as log:
+                    log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} built {device}-{key}\n")
+                print(f"mm_adaptor: built native {device} ops in {time.monotonic() - start:.0f} s", file=sys.stderr,
+                      flush=True)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    torch.ops.load_library(str(library))
+    return BuildResult(device, library, built_now, time.monotonic() - start)
+
+
+def _compile(device: str, name: str, srcs: list[Path], build_dir: Path, verbose: bool) -> None:
+    from torch.utils.cpp_extension import load
+
+    try:
+        load(name=name, sources=[str(s) for s in srcs], build_directory=str(build_dir), extra_cflags=CXX_FLAGS,
+             extra_cuda_cflags=NVCC_FLAGS if device == "cuda" else None, is_python_module=False, verbose=verbose)
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+        for stale in build_dir.glob("*.so"):
+            stale.unlink()
+        raise BuildUnavailable(f"building the native {device} ops failed: {exc}") from exc

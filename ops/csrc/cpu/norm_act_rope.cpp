@@ -1,0 +1,246 @@
+// CPU kernels for the memory-bound ops: rms_norm, swiglu, rotary_pos_emb (forward and backward).
+// One pass over the data each way, fp32 accumulation, rows split across threads with at::parallel_for.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGrain = 16;  // rows per task
+
+// Accumulation (and rstd/freqs) dtype: double for double inputs, float otherwise.
+at::ScalarType acc_type(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+  TORCH_CHECK(x_in.size(-1) == w_in.numel(), "rms_norm: weight has ", w_in.numel(), " elements, hidden size is ",
+              x_in.size(-1));
+  auto x = x_in.contiguous();
+  auto w = w_in.contiguous();
+  const int64_t n = x.size(-1);
+  const int64_t rows = n ? x.numel() / n : 0;
+  auto y = at::empty(x.sizes(), x.options());
+  auto rstd = at::empty({rows}, x.options().dtype(acc_type(x)));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_fwd", [&] {
+    using T = scalar_t;
+    using A = at::opmath_type<T>;  // float for half/bf16/float, double for double
+    const T* xp = x.data_ptr<T>();
+    T* yp = y.data_ptr<T>();
+    A* rp = rstd.data_ptr<A>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "rms_norm_fwd_w", [&] {
+      using W = scalar_t;
+      const W* wp = w.data_ptr<W>();
+      at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          const T* xr = xp + r * n;
+          A sum = 0;
+          for (int64_t i = 0; i < n; ++i) {
+            const A v = static_cast<A>(xr[i]);
+            sum += v * v;
+          }
+          const A inv = A(1) / std::sqrt(sum / static_cast<A>(n) + static_cast<A>(eps));
+          rp[r] = inv;
+          T* yr = yp + r * n;
+          for (int64_t i = 0; i < n; ++i) {
+            yr[i] = static_cast<T>(static_cast<A>(xr[i]) * inv * static_cast<A>(wp[i]));
+          }
+        }
+      });
+    });
+  });
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& dy_in, const at::Tensor& x_in, const at::Tensor& w_in,
+                                                const at::Tensor& rstd_in) {
+  auto dy = dy_in.contiguous();
+  auto x = x_in.contiguous();
+  auto w = w_in.contiguous();
+  auto rstd = rstd_in.to(acc_type(x_in)).contiguous();
+  const int64_t n = x.size(-1);
+  const int64_t rows = n ? x.numel() / n : 0;
+  auto dx = at::empty_like(x);
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
+  auto dw_parts = at::zeros({tasks, n}, x.options().dtype(acc_type(x)));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_bwd", [&] {
+    using T = scalar_t;
+    using A = at::opmath_type<T>;  // float for half/bf16/float, double for double
+    const T* xp = x.data_ptr<T>();
+    const T* dyp = dy.data_ptr<T>();
+    T* dxp = dx.data_ptr<T>();
+    const A* rp = rstd.data_ptr<A>();
+    A* dwp = dw_parts.data_ptr<A>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "rms_norm_bwd_w", [&] {
+      using W = scalar_t;
+      const W* wp = w.data_ptr<W>();
+      const int64_t per_task = (rows + tasks - 1) / tasks;
+      at::parallel_for(0, tasks, 1, [&](int64_t tb, int64_t te) {
+        for (int64_t t = tb; t < te; ++t) {
+          A* dw_acc = dwp + t * n;
+          const int64_t r_end = std::min(rows, (t + 1) * per_task);
+          for (int64_t r = t * per_task; r < r_end; ++r) {
+            const T* xr = xp + r * n;
+            const T* dyr = dyp + r * n;
+            const A inv = rp[r];
+            A dot = 0;  // sum(dy * w * x_hat)
+            for (int64_t i = 0; i < n; ++i) {
+              const A xhat = static_cast<A>(xr[i]) * inv;
+              const A g = static_cast<A>(dyr[i]);
+              dot += g * static_cast<A>(wp[i]) * xhat;
+              dw_acc[i] += g * xhat;
+            }
+            const A mean_dot = dot / static_cast<A>(n);
+            T* dxr = dxp + r * n;
+            for (int64_t i = 0; i < n; ++i) {
+              const A xhat = static_cast<A>(xr[i]) * inv;
+              dxr[i] = static_cast<T>(inv * (static_cast<A>(dyr[i]) * static_cast<A>(wp[i]) - xhat * mean_dot));
+            }
+          }
+        }
+      });
+    });
+  });
+  auto dw = dw_parts.sum(0).to(w.scalar_type());
+  return {dx, dw};
+}
+
+template <typename A>
+inline A silu(A a) { return a / (A(1) + std::exp(-a)); }
+
+at::Tensor swiglu_fwd(const at::Tensor& x_in) {
+  auto x = x_in.contiguous();
+  const int64_t n2 = x.size(-1);
+  TORCH_CHECK(n2 % 2 == 0, "swiglu: last dimension must be even, got ", n2);
+  const int64_t n = n2 / 2;
+  const int64_t rows = n2 ? x.numel() / n2 : 0;
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = n;
+  auto y = at::empty(out_sizes, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "swiglu_fwd", [&] {
+    using T = scalar_t;
+    using A = at::opmath_type<T>;  // float for half/bf16/float, double for double
+    const T* xp = x.data_ptr<T>();
+    T* yp = y.data_ptr<T>();
+    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* a = xp + r * n2;
+        const T* b = a + n;
+        T* yr = yp + r * n;
+        for (int64_t i = 0; i < n; ++i) {
+          yr[i] = static_cast<T>(silu<A>(static_cast<A>(a[i])) * static_cast<A>(b[i]));
+        }
+      }
+    });
+  });
+  return y;
+}
+
+at::Tensor swiglu_bwd(const at::Tensor& dy_in, const at::Tensor& x_in) {
+  auto x = x_in.contiguous();
+  auto dy = dy_in.contiguous();
+  const int64_t n2 = x.size(-1);
+  const int64_t n = n2 / 2;
+  const int64_t rows = n2 ? x.numel() / n2 : 0;
+  auto dx = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "swiglu_bwd", [&] {
+    using T = scalar_t;
+    using A = at::opmath_type<T>;  // float for half/bf16/float, double for double
+    const T* xp = x.data_ptr<T>();
+    const T* dyp = dy.data_ptr<T>();
+    T* dxp = dx.data_ptr<T>();
+    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* a = xp + r * n2;
+        const T* b = a + n;
+        const T* g = dyp + r * n;
+        T* da = dxp + r * n2;
+        T* db = da + n;
+        for (int64_t i = 0; i < n; ++i) {
+          const A av = static_cast<A>(a[i]);
+          const A sig = A(1) / (A(1) + std::exp(-av));
+          const A gv = static_cast<A>(g[i]);
+          da[i] = static_cast<T>(gv * static_cast<A>(b[i]) * sig * (A(1) + av * (A(1) - sig)));
+          db[i] = static_cast<T>(gv * av * sig);
+        }
+      }
+    });
+  });
+  return dx;
+}
+
+// t: [s, b, h, d]; freqs: [s or 1, 1, 1, rot] angles. The first `rot` channels rotate in pairs
+// (k, k + rot/2) for rotate-half or (2j, 2j + 1) for interleaved; the rest pass through.
+// Forward per pair: y0 = x0 c0 - x1 s0, y1 = x1 c1 + x0 s1. Backward (its transpose):
+// dx0 = g0 c0 + g1 s1, dx1 = g1 c1 - g0 s0.
+at::Tensor rope_apply(const at::Tensor& t_in, const at::Tensor& freqs_in, bool interleaved, bool backward) {
+  TORCH_CHECK(t_in.dim() == 4, "rotary_pos_emb: expected a tensor of shape [s, b, h, d], got ", t_in.sizes());
+  auto t = t_in.contiguous();
+  auto freqs = freqs_in.to(acc_type(t_in)).contiguous();
+  const int64_t s = t.size(0), b = t.size(1), h = t.size(2), d = t.size(3);
+  const int64_t rot = freqs.size(-1);
+  TORCH_CHECK(rot <= d && rot % 2 == 0, "rotary_pos_emb: rotary dim ", rot, " must be even and <= head dim ", d);
+  TORCH_CHECK(freqs.numel() == freqs.size(0) * rot && (freqs.size(0) == s || freqs.size(0) == 1),
+              "rotary_pos_emb: freqs must be [s, 1, 1, rot] with s = ", s, ", got ", freqs.sizes());
+  const bool broadcast_s = freqs.size(0) == 1;
+  auto out = at::empty_like(t);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "rotary_pos_emb", [&] {
+    using T = scalar_t;
+    using A = at::opmath_type<T>;  // float for half/bf16/float, double for double
+    const T* tp = t.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const A* fp = freqs.data_ptr<A>();
+    const int64_t half = rot / 2;
+    const int64_t pairs = rot / 2;
+    at::parallel_for(0, s, 1, [&](int64_t sb, int64_t se) {
+      std::vector<A> cs(rot), sn(rot);
+      for (int64_t si = sb; si < se; ++si) {
+        const A* f = fp + (broadcast_s ? 0 : si * rot);
+        for (int64_t k = 0; k < rot; ++k) {
+          cs[k] = std::cos(f[k]);
+          sn[k] = std::sin(f[k]);
+        }
+        for (int64_t bh = 0; bh < b * h; ++bh) {
+          const T* x = tp + (si * b * h + bh) * d;
+          T* y = op + (si * b * h + bh) * d;
+          for (int64_t p = 0; p < pairs; ++p) {
+            const int64_t i0 = interleaved ? 2 * p : p;
+            const int64_t i1 = interleaved ? 2 * p + 1 : p + half;
+            const A x0 = static_cast<A>(x[i0]), x1 = static_cast<A>(x[i1]);
+            if (backward) {
+              y[i0] = static_cast<T>(x0 * cs[i0] + x1 * sn[i1]);
+              y[i1] = static_cast<T>(x1 * cs[i1] - x0 * sn[i0]);
+            } else {
+              y[i0] = static_cast<T>(x0 * cs[i0] - x1 * sn[i0]);
+              y[i1] = static_cast<T>(x1 * cs[i1] + x0 * sn[i1]);
+            }
+          }
+          for (int64_t k = rot; k < d; ++k) y[k] = x[k];
+        }
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor rope_fwd(const at::Tensor& t, const at::Tensor& freqs, bool interleaved) {
+  return rope_apply(t, freqs, interleaved, false);
+}
+
+at::Tensor rope_bwd(const at::Tensor& dy, const at::Tensor& freqs, bool interleaved) {
+  return rope_apply(dy, freqs, interleaved, true);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mm_adaptor, CPU, m) {
+  m.impl("rms_norm_fwd", &rms_norm_fwd);
+  m.impl("rms_norm_bwd", &rms_norm_bwd);
+  m.impl("swiglu_fwd", &swiglu_fwd);
+  m.impl("swiglu_bwd", &swiglu_bwd);
+  m.impl("rotary_pos_emb_fwd", &rope_fwd);
+  m.impl("rotary_pos_emb_bwd", &rope_bwd);
+}
