@@ -22,7 +22,8 @@ import torch
 
 CACHE_ENV = "MM_ADAPTOR_OPS_CACHE"
 CSRC = Path(__file__).resolve().parent / "csrc"
-CXX_FLAGS = ["-O3", "-std=c++20", "-fopenmp"]
+# Built on the machine that runs it (the cache key includes the CPU's feature flags), so -march=native is safe.
+CXX_FLAGS = ["-O3", "-std=c++20", "-fopenmp", "-march=native", "-fno-trapping-math"]
 NVCC_FLAGS = ["-O3", "-std=c++20", "--use_fast_math", "-U__CUDA_NO_HALF_OPERATORS__",
               "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF_CONVERSIONS__"]
 
@@ -71,12 +72,25 @@ def compiler(device: str) -> str:
 def cache_key(device: str) -> str:
     digest = hashlib.sha256()
     for part in (torch.__version__, str(torch.version.cuda), sys.version, compiler(device),
-                 " ".join(CXX_FLAGS + NVCC_FLAGS)):
+                 " ".join(CXX_FLAGS + NVCC_FLAGS), _cpu_features()):
         digest.update(part.encode())
     for src in sources(device):
         digest.update(src.name.encode())
         digest.update(src.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine() + platform.processor()
 
 
 class _Ticker:

@@ -227,5 +227,5 @@ def test_reference_fallback_without_a_compiler(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "CXX": "no-such-compiler-xyz", "MM_ADAPTOR_OPS_CACHE": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "'native': False" in result.stdout and "no-such-compiler-xyz" in result.stdout
+    assert result.stdout.startswith("reference fallback: no C++ compiler ('no-such-compiler-xyz'")
     assert "references run instead" in result.stdout
