@@ -3,18 +3,18 @@
 import pytest
 import torch
 
+from mm_adaptor.harness import LAYOUTS as HARNESS_LAYOUTS
 from mm_adaptor.train import main as train_main
 
 pytestmark = pytest.mark.distributed
 
 LAYOUTS = {
-    "tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-    "pp2": ["--pipeline-model-parallel-size", "2"],
-    "pp2_vpp2": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-                 "--global-batch-size", "8"],
-    "dp2_distopt": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
-    "ep2_moe": ["--num-experts", "4", "--expert-model-parallel-size", "2"],
-    "tp2_sp_bf16": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"],
+    "tp2_sp": HARNESS_LAYOUTS["tp2-sp"],
+    "pp2": HARNESS_LAYOUTS["pp2"],
+    "pp2_vpp2": HARNESS_LAYOUTS["pp2-vpp2"],
+    "dp2_distopt": HARNESS_LAYOUTS["dp2-distopt"],
+    "ep2_moe": HARNESS_LAYOUTS["ep2-moe"],
+    "tp2_sp_bf16": [*HARNESS_LAYOUTS["tp2-sp"], "--bf16"],
 }
 ITERS = 8
 
