@@ -12,7 +12,7 @@ from mm_adaptor.ops import builder
 
 LOAD_AND_USE = ("import torch, mm_adaptor.ops as o\n"
                 "y = o.swiglu(torch.ones(2, 4))\n"
-                "s = o.status()['devices']['cpu']\n"
+                "s = o.library.status()['cpu']\n"
                 "assert s['native'], s\n"
                 "print('LOADED', s['why'])\n")
 
