@@ -53,12 +53,23 @@ class Flag:
 
 @dataclass(frozen=True)
 class Tolerance:
-    """How close a feature's results must be to unpatched Megatron, and why."""
+    """How close a feature's results must be to unpatched Megatron, and why.
+
+    `low_precision_rtol/atol` apply to bf16/fp16 runs (default: the fp32 figures)."""
 
     exact: bool
     rtol: float = 0.0
     atol: float = 0.0
     why: str = ""
+    low_precision_rtol: float | None = None
+    low_precision_atol: float | None = None
+
+    def for_precision(self, low_precision: bool) -> "Tolerance":
+        if self.exact or not low_precision:
+            return self
+        return Tolerance(exact=False, rtol=self.low_precision_rtol if self.low_precision_rtol is not None else self.rtol,
+                         atol=self.low_precision_atol if self.low_precision_atol is not None else self.atol,
+                         why=self.why)
 
     def describe(self) -> str:
         if self.exact:

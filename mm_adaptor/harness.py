@@ -56,14 +56,14 @@ class Comparison:
         return not (self.loss_failures or self.grads.failures or self.params.failures)
 
 
-def tolerance_for(feature_args: list[str]) -> Tolerance:
+def tolerance_for(feature_args: list[str], low_precision: bool = False) -> Tolerance:
     """The loosest tolerance among the features switched on by these flags (bit-for-bit if all are)."""
     parser = features.add_arguments(argparse.ArgumentParser(add_help=False))
     options, _ = parser.parse_known_args(feature_args)
     enabled = features.enabled_features(options)
     if not enabled:
         raise HarnessError(f"no feature is switched on by {' '.join(feature_args) or '(no flags)'}")
-    inexact = [f.tolerance for f in enabled if not f.tolerance.exact]
+    inexact = [f.tolerance.for_precision(low_precision) for f in enabled if not f.tolerance.exact]
     if not inexact:
         why = "; ".join(f"{f.main_flag.option}: {f.tolerance.why}" for f in enabled)
         return Tolerance(exact=True, why=why)
@@ -127,7 +127,8 @@ def compare(feature_args: list[str], *, layout: str | None = None, extra_args: l
     """Train with `feature_args` off and on; compare losses, gradients and parameters."""
     if layout is not None and layout not in LAYOUTS:
         raise HarnessError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
-    tol = tolerance or tolerance_for(list(feature_args))
+    low_precision = any(flag in extra_args for flag in ("--bf16", "--fp16"))
+    tol = tolerance or tolerance_for(list(feature_args), low_precision)
     base = [*(LAYOUTS[layout] if layout else []), *extra_args, "--train-iters", str(iters)]
     with tempfile.TemporaryDirectory(prefix="mm-adaptor-check-") as tmp:
         off = _train(base, Path(tmp) / "off", nproc, timeout, echo)

@@ -1,0 +1,1 @@
+"""Patches of megatron.core.transformer and the models' embeddings."""

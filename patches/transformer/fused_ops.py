@@ -1,0 +1,88 @@
+"""Megatron modules rerouted to the native ops (mm_adaptor.ops): RMSNorm, SwiGLU, rotary embeddings."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from mm_adaptor import ops
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """RMSNorm on the native kernel; same parameter name and shape as torch.nn.RMSNorm (checkpoints match)."""
+
+    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        # Under sequence parallelism each TP rank sees a sequence shard: megatron all-reduces the
+        # gradients of parameters marked like this across the TP group.
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, x):
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, kernel=mm_adaptor::rms_norm"
+
+
+def torch_norm_new_with_fused_rmsnorm(wrapped, instance, args, kwargs):
+    """WrappedTorchNorm(config, hidden_size, eps, ...) -> FusedRMSNorm when config.normalization is RMSNorm."""
+    names = ("cls", "config", "hidden_size", "eps")
+    bound = dict(zip(names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    config = bound["config"]
+    if config.normalization != "RMSNorm":
+        return wrapped(*args, **kwargs)
+    return FusedRMSNorm(bound["hidden_size"], bound.get("eps", 1e-5), bool(config.sequence_parallel),
+                        dtype=config.params_dtype)
+
+
+def _swiglu_applies(mlp, per_token_scale) -> bool:
+    import torch.nn.functional as F
+
+    config = mlp.config
+    return (config.gated_linear_unit and mlp.activation_func is F.silu and not config.use_te_activation_func
+            and per_token_scale is None and config.activation_func_clamp_value is None
+            and not config.glu_linear_offset)
+
+
+def mlp_forward_with_fused_swiglu(wrapped, instance, args, kwargs):
+    """MLP.forward with fc1 -> (+bias) -> mm_adaptor::swiglu -> fc2; other activations run megatron's code."""
+    if instance is None:  # called through the class: MLP.forward(mlp, ...)
+        instance, args = args[0], args[1:]
+    hidden_states = args[0] if args else kwargs["hidden_states"]
+    per_token_scale = args[1] if len(args) > 1 else kwargs.get("per_token_scale")
+    if not _swiglu_applies(instance, per_token_scale):
+        return wrapped(*args, **kwargs)
+    intermediate, bias = instance.linear_fc1(hidden_states)
+    if bias is not None:
+        intermediate = intermediate + bias
+    return instance.linear_fc2(ops.swiglu(intermediate))
+
+
+_warned_rope_fallback = False
+
+
+def apply_rotary_pos_emb_fused(wrapped, instance, args, kwargs):
+    """apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, ...) on the native kernel for the
+    [s, b, h, d] layout; packed sequences, multi-latent attention, mscale != 1 and mRoPE keep megatron's code."""
+    names = ("t", "freqs", "config", "cu_seqlens", "mscale")
+    bound = dict(zip(names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    config = bound["config"]
+    unsupported = [reason for reason, present in (
+        ("packed sequences (cu_seqlens)", bound.get("cu_seqlens") is not None),
+        ("multi-latent attention", getattr(config, "multi_latent_attention", False)),
+        ("mscale != 1", bound.get("mscale", 1.0) != 1.0),
+        ("mRoPE", getattr(config, "mrope_section", None) is not None),
+    ) if present]
+    if unsupported:
+        global _warned_rope_fallback
+        if not _warned_rope_fallback:
+            _warned_rope_fallback = True
+            warnings.warn(f"--use-fused-rotary-pos-emb: {', '.join(unsupported)} not covered by the native kernel; "
+                          "megatron's implementation runs for these calls", RuntimeWarning, stacklevel=2)
+        return wrapped(*args, **kwargs)
+    return ops.rotary_pos_emb(bound["t"], bound["freqs"], bool(config.rotary_interleaved))

@@ -1,0 +1,33 @@
+"""--use-fused-rmsnorm / --use-fused-swiglu / --use-fused-rotary-pos-emb against unpatched Megatron:
+TP2+SP and PP2, fp32 and bf16, each alone and all together, within each feature's declared tolerance."""
+
+import pytest
+
+from mm_adaptor import harness
+
+pytestmark = pytest.mark.distributed
+
+MODEL = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope"]
+FEATURES = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
+
+
+def check(flags, layout, precision):
+    result = harness.compare(flags, layout=layout, extra_args=[*MODEL, *precision], iters=4)
+    assert result.passed, harness.format_comparison(result)
+    return result
+
+
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["tp2-sp", "pp2"])
+@pytest.mark.parametrize("flag", FEATURES)
+def test_each_fused_feature(flag, layout, precision):
+    result = check([flag], layout, precision)
+    if flag == "--use-fused-swiglu":
+        off, on = result.memory_off["saved_bytes_per_layer"], result.memory_on["saved_bytes_per_layer"]
+        for layer in (k for k in off if k.startswith("layer")):
+            assert on[layer] < off[layer], f"{layer}: the fused SwiGLU must save fewer activation bytes"
+
+
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_all_fused_features_together(precision):
+    check(FEATURES, "tp2-sp", precision)
