@@ -17,8 +17,9 @@ class FusedRMSNorm(Feature):
     description = ("RMSNorm modules of the local spec (layer norms, final norm, q/k norms) run mm_adaptor::rms_norm: "
                    "one pass each way, fp32 accumulation; works with sequence parallelism")
     flags = (Flag("--use-fused-rmsnorm", description),)
-    tolerance = Tolerance(exact=False, rtol=1e-4, atol=1e-5, low_precision_rtol=5e-2, low_precision_atol=5e-3,
-                          why="one fused fp32 reduction instead of torch's; bf16 outputs round once from fp32")
+    tolerance = Tolerance(exact=False, rtol=1e-3, atol=5e-4, low_precision_rtol=5e-2, low_precision_atol=1e-2,
+                          why="one fused fp32 reduction instead of torch's: fp32-rounding-level differences, which Adam can turn into parameter differences "
+                          "up to lr per step on near-zero gradients; bf16: one bf16 ulp")
 
     def validate(self, options):
         if getattr(options, "normalization", None) != "RMSNorm":

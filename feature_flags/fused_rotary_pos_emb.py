@@ -10,8 +10,9 @@ class FusedRotaryPosEmb(Feature):
     description = ("apply_rotary_pos_emb runs mm_adaptor::rotary_pos_emb for [s, b, h, d] (rotate-half and "
                    "interleaved); packed sequences, MLA, mscale and mRoPE fall back to megatron with one warning")
     flags = (Flag("--use-fused-rotary-pos-emb", description),)
-    tolerance = Tolerance(exact=False, rtol=1e-4, atol=1e-5, low_precision_rtol=5e-2, low_precision_atol=5e-3,
-                          why="rotation computed in fp32 (megatron rounds cos/sin to the input dtype first)")
+    tolerance = Tolerance(exact=False, rtol=1e-3, atol=5e-4, low_precision_rtol=5e-2, low_precision_atol=1e-2,
+                          why="rotation in fp32 (megatron rounds cos/sin to the input dtype first): fp32-rounding-level differences, which Adam can turn into parameter differences "
+                          "up to lr per step on near-zero gradients; bf16: one bf16 ulp")
 
     def validate(self, options):
         if getattr(options, "position_embedding_type", None) != "rope":

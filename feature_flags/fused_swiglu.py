@@ -11,8 +11,9 @@ class FusedSwiGLU(Feature):
     description = ("the MLP's SwiGLU (fused-bias and plain paths) runs mm_adaptor::swiglu, which saves only its "
                    "input for backward and recomputes silu there")
     flags = (Flag("--use-fused-swiglu", description),)
-    tolerance = Tolerance(exact=False, rtol=1e-4, atol=1e-5, low_precision_rtol=5e-2, low_precision_atol=5e-3,
-                          why="silu evaluated in fp32 with a polynomial exp (~2 ulp); bf16 rounds once from fp32")
+    tolerance = Tolerance(exact=False, rtol=1e-3, atol=5e-4, low_precision_rtol=5e-2, low_precision_atol=1e-2,
+                          why="silu in fp32 with a polynomial exp (~2 ulp): fp32-rounding-level differences, which Adam can turn into parameter differences "
+                          "up to lr per step on near-zero gradients; bf16: one bf16 ulp")
 
     def validate(self, options):
         if not getattr(options, "swiglu", False):
