@@ -132,6 +132,12 @@ def resolve(dotted: str) -> tuple[Any, str]:
 _ACTIVE: list["Patch"] = []
 
 
+def _has_identity(obj) -> bool:
+    """Only functions, classes and other callables are copied by `from x import f` in a way worth following;
+    values such as False, None, 0 or interned strings are shared by unrelated names and must not be rebound."""
+    return callable(obj) and not isinstance(obj, (bool, int, float, str, bytes))
+
+
 def active_patches() -> list["Patch"]:
     return list(_ACTIVE)
 
@@ -192,7 +198,7 @@ class Patch:
         self._owner, self._name, self._was_own = owner, name, own
         self.original, self._installed = original, installed
         self._copies = []
-        if original is not _MISSING and not isinstance(owner, type):
+        if original is not _MISSING and not isinstance(owner, type) and _has_identity(original):
             self._rebind_copies(owner, original, installed)
         self.applied = True
         _ACTIVE.append(self)
@@ -235,6 +241,34 @@ class Patch:
             _ACTIVE.remove(self)
 
 
+class ModulePatch:
+    """Makes `import name` give `module` (an API-compatible implementation), and reverts exactly."""
+
+    def __init__(self, name: str, module, *, feature: str = ""):
+        self.target = f"sys.modules[{name!r}]"
+        self.name, self.module, self.feature = name, module, feature
+        self.applied = False
+        self._previous = _MISSING
+
+    def apply(self) -> None:
+        if self.applied:
+            raise PatchError(f"{self.target} is already applied")
+        self._previous = sys.modules.get(self.name, _MISSING)
+        sys.modules[self.name] = self.module
+        self.applied = True
+        _ACTIVE.append(self)
+
+    def revert(self) -> None:
+        if not self.applied:
+            raise PatchError(f"{self.target} is not applied")
+        if self._previous is _MISSING:
+            sys.modules.pop(self.name, None)
+        else:
+            sys.modules[self.name] = self._previous
+        self.applied = False
+        _ACTIVE.remove(self)
+
+
 class PatchSet:
     """Ordered patches applied all-or-nothing and reverted in reverse order."""
 
@@ -242,7 +276,7 @@ class PatchSet:
         self.name = name
         self._patches: list[Patch] = list(patches)
 
-    def add(self, patch: Patch) -> Patch:
+    def add(self, patch: "Patch | ModulePatch") -> "Patch | ModulePatch":
         self._patches.append(patch)
         return patch
 
@@ -251,6 +285,9 @@ class PatchSet:
 
     def wrap(self, target: str, wrapper: Callable, contract: Contract | None = None) -> Patch:
         return self.add(Patch(target, wrapper, mode="wrap", contract=contract, feature=self.name))
+
+    def provide_module(self, name: str, module) -> ModulePatch:
+        return self.add(ModulePatch(name, module, feature=self.name))
 
     def apply(self) -> None:
         done: list[Patch] = []

@@ -221,3 +221,31 @@ def test_real_megatron_copies_are_rebound():
     finally:
         patch.revert()
     assert all(m.divide is original for m in holders)
+
+
+def test_replacing_a_value_does_not_rebind_unrelated_equal_values(pkg):
+    name, a, b = pkg
+    a.FLAG = False
+    b.OTHER_FLAG = False  # an unrelated global that happens to be the same singleton
+    patch = Patch(f"{name}.a.FLAG", True, mode="replace")
+    patch.apply()
+    try:
+        assert a.FLAG is True and b.OTHER_FLAG is False
+    finally:
+        patch.revert()
+    assert a.FLAG is False
+
+
+def test_module_patch_provides_and_removes_a_module():
+    import types
+
+    from mm_adaptor.patching import ModulePatch
+
+    shim = types.ModuleType("mm_test_shim_module")
+    patch = ModulePatch("mm_test_shim_module", shim)
+    patch.apply()
+    import mm_test_shim_module
+
+    assert mm_test_shim_module is shim
+    patch.revert()
+    assert "mm_test_shim_module" not in sys.modules
