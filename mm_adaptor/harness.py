@@ -123,8 +123,13 @@ def _train(argv: list[str], dump: Path, nproc: int, timeout: float, echo: bool) 
 
 def compare(feature_args: list[str], *, layout: str | None = None, extra_args: list[str] = (),
             iters: int = 5, nproc: int = 2, timeout: float = 600.0, tolerance: Tolerance | None = None,
-            echo: bool = False) -> Comparison:
-    """Train with `feature_args` off and on; compare losses, gradients and parameters."""
+            echo: bool = False, require_features: bool = True) -> Comparison:
+    """Train with `feature_args` off and on; compare losses, gradients and parameters.
+
+    With require_features=False (and an explicit tolerance) any training flag can be compared, e.g. a
+    compatibility path the adaptor provides without a feature flag."""
+    if not require_features and tolerance is None:
+        raise HarnessError("comparing flags that are not features needs an explicit tolerance")
     if layout is not None and layout not in LAYOUTS:
         raise HarnessError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
     low_precision = any(flag in extra_args for flag in ("--bf16", "--fp16"))
@@ -133,7 +138,7 @@ def compare(feature_args: list[str], *, layout: str | None = None, extra_args: l
     with tempfile.TemporaryDirectory(prefix="mm-adaptor-check-") as tmp:
         off = _train(base, Path(tmp) / "off", nproc, timeout, echo)
         on = _train([*base, *feature_args], Path(tmp) / "on", nproc, timeout, echo)
-    if not on[0]["features"]:
+    if require_features and not on[0]["features"]:
         raise HarnessError(f"{' '.join(feature_args)} applied no feature in the training run")
     losses_off, losses_on = off[0]["losses"], on[0]["losses"]
     return Comparison(

@@ -76,6 +76,8 @@ def build_parser(prog: str = "mm-adaptor train") -> argparse.ArgumentParser:
     t.add_argument("--adam-beta1", type=float, default=0.9)
     t.add_argument("--adam-beta2", type=float, default=0.999)
     t.add_argument("--adam-eps", type=float, default=1e-8)
+    t.add_argument("--gradient-accumulation-fusion", action="store_true",
+                   help="accumulate weight gradients straight into main_grad in the GEMM (Megatron's flag)")
     t.add_argument("--bf16", action="store_true")
     t.add_argument("--fp16", action="store_true")
     t.add_argument("--seed", type=int, default=1234)
@@ -253,7 +255,7 @@ def transformer_config(args):
         persist_layer_norm=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         calculate_per_token_loss=True,
         deallocate_pipeline_outputs=True,
     )

@@ -105,6 +105,27 @@ def sequence_parallel_norm_patches() -> PatchSet:
     return ps
 
 
+def gradient_accumulation_fusion_patches() -> PatchSet:
+    """Megatron's gradient-accumulation fusion without Apex: `fused_weight_gradient_mlp_cuda` is provided by the
+    native matmul_add_fp32 (mm_adaptor.ops.wgrad). Megatron's flag keeps its meaning: off runs the plain path."""
+    ps = PatchSet("compat:gradient-accumulation-fusion")
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401  (Apex's own extension wins when installed)
+
+        return ps
+    except ImportError:
+        pass
+    import importlib
+
+    wgrad = importlib.import_module("mm_adaptor.ops.wgrad")
+    core = Contract(versions=MEGATRON_CORE_016)
+    ps.provide_module("fused_weight_gradient_mlp_cuda", wgrad)
+    ps.replace("megatron.core.tensor_parallel.layers._grad_accum_fusion_available", True, contract=core)
+    ps.replace("megatron.core.tensor_parallel.layers.fused_weight_gradient_mlp_cuda", wgrad, contract=core,
+               create=True)
+    return ps
+
+
 def no_transformer_engine_patches() -> PatchSet:
     """Applied by every backend when Transformer Engine is not installed."""
     ps = PatchSet("compat:no-transformer-engine")

@@ -10,9 +10,13 @@ from mm_adaptor.patching import PatchSet
 
 def compat_patch_sets() -> list[PatchSet]:
     """Fixes megatron-core needs on every device when Transformer Engine / Apex are absent."""
-    from mm_adaptor.patches.megatron_compat import no_transformer_engine_patches, sequence_parallel_norm_patches
+    from mm_adaptor.patches.megatron_compat import (
+        gradient_accumulation_fusion_patches,
+        no_transformer_engine_patches,
+        sequence_parallel_norm_patches,
+    )
 
-    return [no_transformer_engine_patches(), sequence_parallel_norm_patches()]
+    return [no_transformer_engine_patches(), sequence_parallel_norm_patches(), gradient_accumulation_fusion_patches()]
 
 
 class DeviceBackend:
