@@ -86,3 +86,49 @@ def apply_rotary_pos_emb_fused(wrapped, instance, args, kwargs):
                           "megatron's implementation runs for these calls", RuntimeWarning, stacklevel=2)
         return wrapped(*args, **kwargs)
     return ops.rotary_pos_emb(bound["t"], bound["freqs"], bool(config.rotary_interleaved))
+
+
+def _flash_attention_applies(attn, attention_bias, packed_seq_params) -> str | None:
+    """None when the native path computes exactly what megatron's DotProductAttention computes, else why not."""
+    config = attn.config
+    if packed_seq_params is not None:
+        return "packed sequences"
+    if attention_bias is not None:
+        return "attention bias"
+    if getattr(attn, "softmax_offset", None) is not None:
+        return "softmax offset"
+    if config.apply_query_key_layer_scaling:
+        return "query-key layer scaling"
+    if attn.training and config.attention_dropout > 0:
+        return "attention dropout"
+    return None
+
+
+_warned_attention_fallback = False
+
+
+def dot_product_attention_forward_flash(wrapped, instance, args, kwargs):
+    """DotProductAttention.forward on mm_adaptor.ops.flash_attention (PyTorch's fused kernels: no s x s
+    scores kept for backward). Returns [sq, b, hp] like megatron."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    if instance is None:
+        instance, args = args[0], args[1:]
+    names = ("query", "key", "value", "attention_mask", "attn_mask_type", "attention_bias", "packed_seq_params")
+    bound = dict(zip(names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    why_not = _flash_attention_applies(instance, bound.get("attention_bias"), bound.get("packed_seq_params"))
+    if why_not:
+        global _warned_attention_fallback
+        if not _warned_attention_fallback:
+            _warned_attention_fallback = True
+            warnings.warn(f"--use-flash-attn: {why_not} is not covered; megatron's attention runs for these calls",
+                          RuntimeWarning, stacklevel=2)
+        return wrapped(*args, **kwargs)
+    query, key, value = bound["query"], bound["key"], bound["value"]
+    mask = bound.get("attention_mask")
+    # Megatron applies a given mask as it is; only without one does the causal mask type build the causal mask.
+    causal = mask is None and instance.attn_mask_type == AttnMaskType.causal and query.shape[0] > 1
+    context = ops.flash_attention(query, key, value, causal=causal, attention_mask=mask,
+                                  scale=instance.softmax_scale)
+    return context.reshape(context.shape[0], context.shape[1], -1)

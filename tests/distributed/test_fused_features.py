@@ -1,4 +1,4 @@
-"""--use-fused-rmsnorm / --use-fused-swiglu / --use-fused-rotary-pos-emb against unpatched Megatron:
+"""--use-fused-rmsnorm / --use-fused-swiglu / --use-fused-rotary-pos-emb / --use-flash-attn against unpatched Megatron:
 TP2+SP and PP2, fp32 and bf16, each alone and all together, within each feature's declared tolerance."""
 
 import pytest
@@ -8,7 +8,7 @@ from mm_adaptor import harness
 pytestmark = pytest.mark.distributed
 
 MODEL = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope"]
-FEATURES = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
+FEATURES = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb", "--use-flash-attn"]
 
 
 def check(flags, layout, precision):
@@ -31,3 +31,13 @@ def test_each_fused_feature(flag, layout, precision):
 @pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
 def test_all_fused_features_together(precision):
     check(FEATURES, "tp2-sp", precision)
+
+
+def test_flash_attention_saves_the_score_matrix():
+    """Per layer, the fused kernels keep no [b, heads, s, s] probabilities: at least that many bytes less."""
+    result = check(["--use-flash-attn"], "tp2-sp", [])
+    micro_batch, heads_per_rank, seq = 2, 4 // 2, 64  # the driver's defaults at TP2
+    score_matrix_bytes = micro_batch * heads_per_rank * seq * seq * 4
+    off, on = result.memory_off["saved_bytes_per_layer"], result.memory_on["saved_bytes_per_layer"]
+    for layer in (k for k in off if k.startswith("layer")):
+        assert off[layer] - on[layer] >= score_matrix_bytes, (layer, off[layer], on[layer], score_matrix_bytes)

@@ -83,6 +83,7 @@ def test_fused_rope_runs_native_op_and_falls_back_for_packed_sequences(cpu_backe
     (dict(use_fused_swiglu=True, swiglu=False), "--use-fused-swiglu needs --swiglu"),
     (dict(use_fused_rotary_pos_emb=True, position_embedding_type="learned_absolute"),
      "--position-embedding-type rope"),
+    (dict(use_flash_attn=True, attention_dropout=0.1), "--attention-dropout 0"),
 ])
 def test_preconditions_are_named(cpu_backend, options, message):
     with pytest.raises(FeatureConfigError, match=message):
