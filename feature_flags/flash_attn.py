@@ -1,8 +1,7 @@
 """--use-flash-attn (Megatron-LM's own flag): the local spec's core attention runs PyTorch's fused attention."""
 
-from mm_adaptor.features import Feature, FeatureConfigError, Flag, Tolerance, register
+from mm_adaptor.features import Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register, wrap_one
 from mm_adaptor.feature_flags.fused_rmsnorm import require_local_spec
-from mm_adaptor.patching import Contract, PatchSet
 
 
 @register
@@ -11,9 +10,7 @@ class FlashAttention(Feature):
     description = ("the local spec's core attention (DotProductAttention) runs mm_adaptor.ops.flash_attention: "
                    "PyTorch's fused kernels, GQA, causal/padding masks, no s x s score matrix kept for backward")
     flags = (Flag("--use-flash-attn", description, megatron_owned=True),)
-    tolerance = Tolerance(exact=False, rtol=1e-3, atol=5e-4, low_precision_rtol=5e-2, low_precision_atol=1e-2,
-                          why="online softmax in fp32 blocks instead of one softmax over the score matrix; Adam can "
-                              "turn rounding-level gradient differences into up to lr per step; bf16: one ulp")
+    tolerance = fused_kernel_tolerance("online softmax in fp32 blocks instead of one softmax over the score matrix")
 
     def validate(self, options):
         dropout = getattr(options, "attention_dropout", 0.0) or 0.0
@@ -26,7 +23,4 @@ class FlashAttention(Feature):
     def patch_sets(self, options):
         from mm_adaptor.patches.transformer.fused_ops import dot_product_attention_forward_flash
 
-        ps = PatchSet(self.name)
-        ps.wrap("megatron.core.transformer.dot_product_attention.DotProductAttention.forward",
-                dot_product_attention_forward_flash, contract=Contract(versions=">=0.16.0,<0.17"))
-        return [ps]
+        return wrap_one(self.name, "megatron.core.transformer.dot_product_attention.DotProductAttention.forward", dot_product_attention_forward_flash)

@@ -1,7 +1,6 @@
 """--use-fused-rmsnorm: the local spec's RMSNorm modules run the native rms_norm kernel."""
 
-from mm_adaptor.features import Feature, FeatureConfigError, Flag, Tolerance, register
-from mm_adaptor.patching import Contract, PatchSet
+from mm_adaptor.features import Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register, wrap_one
 
 
 def require_local_spec(feature: Feature, options) -> None:
@@ -17,9 +16,7 @@ class FusedRMSNorm(Feature):
     description = ("RMSNorm modules of the local spec (layer norms, final norm, q/k norms) run mm_adaptor::rms_norm: "
                    "one pass each way, fp32 accumulation; works with sequence parallelism")
     flags = (Flag("--use-fused-rmsnorm", description),)
-    tolerance = Tolerance(exact=False, rtol=1e-3, atol=5e-4, low_precision_rtol=5e-2, low_precision_atol=1e-2,
-                          why="one fused fp32 reduction instead of torch's: fp32-rounding-level differences, which Adam can turn into parameter differences "
-                          "up to lr per step on near-zero gradients; bf16: one bf16 ulp")
+    tolerance = fused_kernel_tolerance("one fused fp32 reduction instead of torch's")
 
     def validate(self, options):
         if getattr(options, "normalization", None) != "RMSNorm":
@@ -31,7 +28,4 @@ class FusedRMSNorm(Feature):
     def patch_sets(self, options):
         from mm_adaptor.patches.transformer.fused_ops import torch_norm_new_with_fused_rmsnorm
 
-        ps = PatchSet(self.name)
-        ps.wrap("megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__", torch_norm_new_with_fused_rmsnorm,
-                contract=Contract(versions=">=0.16.0,<0.17"))
-        return [ps]
+        return wrap_one(self.name, "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__", torch_norm_new_with_fused_rmsnorm)

@@ -78,6 +78,23 @@ class Tolerance:
 
 
 BIT_FOR_BIT = Tolerance(exact=True, why="the math is unchanged")
+MEGATRON_CORE_016 = ">=0.16.0,<0.17"
+
+
+def fused_kernel_tolerance(what_differs: str) -> Tolerance:
+    """The tolerance of a feature that computes the same math in a different fp32 rounding order."""
+    return Tolerance(exact=False, rtol=1e-3, atol=5e-4, low_precision_rtol=5e-2, low_precision_atol=1e-2,
+                     why=f"{what_differs}: fp32-rounding-level differences, which Adam can turn into parameter "
+                         "differences up to lr per step on near-zero gradients; bf16: one bf16 ulp")
+
+
+def wrap_one(feature_name: str, target: str, wrapper, versions: str = MEGATRON_CORE_016) -> list[PatchSet]:
+    """The patch sets of a feature that wraps a single megatron function."""
+    from mm_adaptor.patching import Contract
+
+    ps = PatchSet(feature_name)
+    ps.wrap(target, wrapper, contract=Contract(versions=versions))
+    return [ps]
 
 
 class Feature:

@@ -480,7 +480,6 @@ def format_iteration(args, rec: StepRecord, consumed: int, loss_scale: float) ->
 
 def run_rank(args: argparse.Namespace) -> None:
     """One rank's whole job: backend, features, process groups, model, loop, checkpoint, dump."""
-    import torch
     import torch.distributed as dist
 
     import mm_adaptor
@@ -505,7 +504,6 @@ def run_rank(args: argparse.Namespace) -> None:
 
 
 def _train(args, backend) -> None:
-    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads

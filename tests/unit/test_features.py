@@ -59,11 +59,11 @@ def demo_features(target_module):
     class Broken(Feature):
         name = "test-broken"
         description = "its patch target does not exist"
-        flags = (Flag("--use-flash-attn", "a flag Megatron-LM owns", megatron_owned=True),)
+        flags = (Flag("--test-owned-flag", "a flag the host parser owns", megatron_owned=True),)
 
         def validate(self, options):
             if getattr(options, "seq_length", 0) == 3:
-                raise FeatureConfigError("--use-flash-attn needs --seq-length != 3: change --seq-length")
+                raise FeatureConfigError("--test-owned-flag needs --seq-length != 3: change --seq-length")
 
         def patch_sets(self, options):
             ps = PatchSet(self.name)
@@ -85,9 +85,9 @@ def test_flags_are_added_and_parsed(demo_features):
 
 def test_flag_already_owned_by_the_parser_is_attached_not_added(demo_features):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--use-flash-attn", action="store_true", help="Megatron-LM's own")
+    parser.add_argument("--test-owned-flag", action="store_true", help="the host parser's own")
     features.add_arguments(parser)  # adding it twice would raise argparse.ArgumentError
-    assert parser.parse_args(["--use-flash-attn"]).use_flash_attn is True
+    assert parser.parse_args(["--test-owned-flag"]).test_owned_flag is True
 
 
 def test_off_applies_nothing(demo_features, target_module):
@@ -125,7 +125,7 @@ def test_conflict_names_both_flags(demo_features):
 
 def test_feature_validation_error(demo_features):
     with pytest.raises(FeatureConfigError, match="--seq-length"):
-        mm_adaptor.enable(argparse.Namespace(seq_length=3, use_flash_attn=True))
+        mm_adaptor.enable(argparse.Namespace(seq_length=3, test_owned_flag=True))
 
 
 def test_unknown_keyword_is_rejected(demo_features):
@@ -136,7 +136,7 @@ def test_unknown_keyword_is_rejected(demo_features):
 def test_failure_leaves_nothing_half_applied(demo_features, target_module):
     original = target_module.compute
     with pytest.raises(Exception, match="does_not_exist"):
-        mm_adaptor.enable(use_test_doubler=True, use_flash_attn=True)
+        mm_adaptor.enable(use_test_doubler=True, test_owned_flag=True)
     assert target_module.compute is original
     assert mm_adaptor.applied() == {}
 

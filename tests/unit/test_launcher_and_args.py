@@ -1,6 +1,5 @@
 """Local-rank launcher (failures and hangs surface clearly) and layout validation."""
 
-import argparse
 import time
 
 import pytest
