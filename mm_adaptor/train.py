@@ -17,9 +17,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-LOG_PREFIX = ""
-
-
 def build_parser(prog: str = "mm-adaptor train") -> argparse.ArgumentParser:
     from mm_adaptor import features
 
@@ -550,7 +547,7 @@ def _train(args, backend) -> None:
     layout = describe_layout(args)
     if not args.quiet:
         _print_last_rank(f" mm-adaptor train: {layout} | device backend: {backend.describe()} | "
-                         f"features: {', '.join(mm_adaptor_applied()) or 'none'}")
+                         f"features: {', '.join(applied_feature_names()) or 'none'}")
     start_iteration = state.iteration
     while state.iteration < args.train_iters:
         dist.barrier()
@@ -577,7 +574,7 @@ def _train(args, backend) -> None:
     _print_last_rank(summary(args, state.records, start_iteration, layout))
 
 
-def mm_adaptor_applied():
+def applied_feature_names() -> list[str]:
     import mm_adaptor
 
     return list(mm_adaptor.applied())
@@ -640,7 +637,7 @@ def write_dump(state: RunState, directory: str) -> None:
     rank = dist.get_rank()
     torch.save({"losses": [r.loss for r in state.records], "grad_norms": [r.grad_norm for r in state.records],
                 "grads": grads, "params": params, "memory": memory,
-                "features": mm_adaptor_applied()}, path / f"rank{rank}.pt")
+                "features": applied_feature_names()}, path / f"rank{rank}.pt")
     if rank == 0:
         (path / "args.json").write_text(json.dumps({k: v for k, v in vars(state.args).items()
                                                     if isinstance(v, (int, float, str, bool, type(None)))},
