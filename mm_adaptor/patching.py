@@ -45,6 +45,8 @@ def _mismatch_allowed() -> bool:
 def _underlying(obj):
     if isinstance(obj, (staticmethod, classmethod)):
         obj = obj.__func__
+    elif isinstance(obj, property) and obj.fget is not None:
+        obj = obj.fget
     try:
         return inspect.unwrap(obj)
     except ValueError:
@@ -84,17 +86,18 @@ class Contract:
         if installed is None:
             problems.append(f"{self.package} is not installed")
         elif not SpecifierSet(self.versions).contains(installed, prereleases=True):
-            problems.append(f"{self.package} {installed} is installed")
+            problems.append(f"{self.package} {installed} is installed, outside the supported versions")
         if self.fingerprint is not None:
             actual = fingerprint(original)
             if actual != self.fingerprint:
                 problems.append(f"the original's source changed (fingerprint {actual}, expected {self.fingerprint})")
         if not problems:
             return
+        found = f"{self.package} {installed}" if installed else f"{self.package} (not installed)"
         message = (
             f"feature {feature or '?'!r} cannot patch {target}: {'; '.join(problems)}; "
-            f"this patch supports {self.package} {self.versions}. "
-            f"Set {ALLOW_MISMATCH_ENV}=1 to downgrade this to a warning"
+            f"installed: {found}; this patch supports {self.package} {self.versions}; "
+            f"set {ALLOW_MISMATCH_ENV}=1 to downgrade this to a warning"
         )
         if _mismatch_allowed():
             warnings.warn(message, PatchContractWarning, stacklevel=4)
@@ -151,19 +154,40 @@ class Patch:
                  create: bool = False):
         if mode not in MODES:
             raise ValueError(f"patch mode must be one of {MODES}, got {mode!r}")
-        self.target = target
+        self._target = target
         self.new = new
-        self.mode = mode
+        self._mode = mode
         self.contract = contract
-        self.feature = feature
+        self._feature = feature
         self.create = create
-        self.applied = False
-        self.original = None
+        self._applied = False
+        self._original = None
         self._owner = None
         self._name = ""
         self._was_own = False
         self._installed = None
         self._copies: list[tuple[Any, str]] = []
+
+    @property
+    def target(self) -> str:
+        return self._target
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @property
+    def feature(self) -> str:
+        return self._feature
+
+    @property
+    def applied(self) -> bool:
+        return self._applied
+
+    @property
+    def original(self):
+        """The raw attribute the patch replaced (a staticmethod/classmethod/property stays one)."""
+        return self._original
 
     def __repr__(self) -> str:
         state = "applied" if self.applied else "not applied"
@@ -174,17 +198,29 @@ class Patch:
             return self.new
         if isinstance(original, (staticmethod, classmethod)):
             return type(original)(wrapt.FunctionWrapper(original.__func__, self.new))
+        if not callable(original):
+            raise PatchError(
+                f"cannot wrap {self.target}: {type(original).__name__} is not callable; use mode='replace'"
+            )
         return wrapt.FunctionWrapper(original, self.new)
+
+    @staticmethod
+    def _raw_attribute(owner, name):
+        """(raw attribute, whether owner defines it itself); class descriptors come from the MRO undecoded."""
+        if not isinstance(owner, type):
+            return getattr(owner, name, _MISSING), True
+        if name in owner.__dict__:
+            return owner.__dict__[name], True
+        for klass in owner.__mro__[1:]:
+            if name in klass.__dict__:
+                return klass.__dict__[name], False
+        return getattr(owner, name, _MISSING), False
 
     def apply(self) -> None:
         if self.applied:
             raise PatchError(f"{self!r} is already applied")
         owner, name = resolve(self.target)
-        own = isinstance(owner, type) and name in owner.__dict__ or not isinstance(owner, type)
-        if isinstance(owner, type):
-            original = owner.__dict__[name] if name in owner.__dict__ else getattr(owner, name, _MISSING)
-        else:
-            original = getattr(owner, name, _MISSING)
+        original, own = self._raw_attribute(owner, name)
         if original is _MISSING:
             if not self.create:
                 raise PatchError(f"cannot resolve {self.target!r}: {owner!r} has no attribute {name!r}")
@@ -196,11 +232,11 @@ class Patch:
         installed = self._build(original)
         setattr(owner, name, installed)
         self._owner, self._name, self._was_own = owner, name, own
-        self.original, self._installed = original, installed
+        self._original, self._installed = original, installed
         self._copies = []
         if original is not _MISSING and not isinstance(owner, type) and _has_identity(original):
             self._rebind_copies(owner, original, installed)
-        self.applied = True
+        self._applied = True
         _ACTIVE.append(self)
 
     def _rebind_copies(self, owner, original, installed) -> None:
@@ -227,15 +263,15 @@ class Patch:
                 f"cannot revert {self.target}: another patch was applied on top of it; "
                 "patches of one target must be reverted in reverse order of applying"
             )
-        if self._was_own and self.original is not _MISSING:
-            setattr(owner, name, self.original)
+        if self._was_own and self._original is not _MISSING:
+            setattr(owner, name, self._original)
         else:
             delattr(owner, name)
         for module, attr in self._copies:
             if module.__dict__.get(attr) is self._installed:
-                setattr(module, attr, self.original)
+                setattr(module, attr, self._original)
         self._copies = []
-        self.applied = False
+        self._applied = False
         self._installed = None
         if self in _ACTIVE:
             _ACTIVE.remove(self)
@@ -295,9 +331,12 @@ class PatchSet:
             for patch in self._patches:
                 patch.apply()
                 done.append(patch)
-        except BaseException:
+        except BaseException as error:
             for patch in reversed(done):
-                patch.revert()
+                try:
+                    patch.revert()
+                except PatchError as revert_error:  # keep the original error; note what stayed applied
+                    error.add_note(f"rolling back {patch!r} failed: {revert_error}")
             raise
 
     def revert(self) -> None:
