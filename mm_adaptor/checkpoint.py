@@ -26,12 +26,13 @@ def _model_key(state, index: int) -> str:
     return "model" if len(state.model) == 1 else f"model{index}"
 
 
-def _sharded_state_dict(state, *, is_loading: bool) -> dict:
+def _sharded_state_dict(state, *, is_loading: bool, with_optimizer: bool = True) -> dict:
     metadata = _metadata(state)
     sd = {_model_key(state, i): _unwrap(chunk).sharded_state_dict(metadata=metadata) for i, chunk in enumerate(state.model)}
-    sd["optimizer"] = state.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=metadata)
+    if with_optimizer:
+        sd["optimizer"] = state.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=metadata)
+        sd["opt_param_scheduler"] = state.scheduler.state_dict()
     sd["iteration"] = state.iteration
-    sd["opt_param_scheduler"] = state.scheduler.state_dict()
     return sd
 
 
@@ -51,8 +52,11 @@ def save_checkpoint(state, directory: str) -> Path:
     return path
 
 
-def load_checkpoint(state, directory: str) -> int:
-    """Load the latest checkpoint under `directory`; returns its iteration."""
+def load_checkpoint(state, directory: str, *, load_optim: bool = True) -> int:
+    """Load the latest checkpoint under `directory`; returns its iteration.
+
+    load_optim=False (Megatron-LM's --no-load-optim) loads the weights only, e.g. a checkpoint saved before the
+    first step or by a model whose optimizer differs; the optimizer's main params are refreshed from them."""
     from megatron.core import dist_checkpointing
 
     marker = Path(directory) / "latest_checkpointed_iteration.txt"
@@ -60,9 +64,12 @@ def load_checkpoint(state, directory: str) -> int:
         raise FileNotFoundError(f"no checkpoint under {directory} (missing {marker.name})")
     iteration = int(marker.read_text().strip())
     path = Path(directory) / f"iter_{iteration:07d}"
-    loaded = dist_checkpointing.load(_sharded_state_dict(state, is_loading=True), str(path))
+    loaded = dist_checkpointing.load(_sharded_state_dict(state, is_loading=True, with_optimizer=load_optim), str(path))
     for i, chunk in enumerate(state.model):
         _unwrap(chunk).load_state_dict(loaded[_model_key(state, i)])
-    state.optimizer.load_state_dict(loaded["optimizer"])
-    state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if load_optim:
+        state.optimizer.load_state_dict(loaded["optimizer"])
+        state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    else:
+        state.optimizer.reload_model_params()
     return int(loaded["iteration"])

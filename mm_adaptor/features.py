@@ -106,6 +106,15 @@ class Feature:
     requires: tuple[str, ...] = ()
     conflicts: tuple[str, ...] = ()
     tolerance: Tolerance = BIT_FOR_BIT
+    # True when the feature stores parameters differently (e.g. experts fused into one matrix): the harness
+    # then starts both runs from one checkpoint, which megatron's sharded state dicts make interchangeable.
+    changes_parameter_layout: bool = False
+    # Megatron-LM arguments shown to its validate_args with these values (restored afterwards), for checks
+    # that guard an implementation this feature replaces.
+    megatron_lm_validation_overrides: dict[str, Any] = {}
+    # Megatron switches that unpatched Megatron cannot run here and that only this feature makes work: the
+    # harness's baseline runs without them (e.g. SequentialMLP instead of GroupedMLP for --moe-grouped-gemm).
+    unpatched_baseline_omits: tuple[str, ...] = ()
 
     @property
     def main_flag(self) -> Flag:

@@ -56,11 +56,15 @@ class Comparison:
         return not (self.loss_failures or self.grads.failures or self.params.failures)
 
 
+def _features_switched_on(flags: list[str]) -> list[features.Feature]:
+    parser = features.add_arguments(argparse.ArgumentParser(add_help=False))
+    options, _ = parser.parse_known_args(flags)
+    return features.enabled_features(options)
+
+
 def tolerance_for(feature_args: list[str], low_precision: bool = False) -> Tolerance:
     """The loosest tolerance among the features switched on by these flags (bit-for-bit if all are)."""
-    parser = features.add_arguments(argparse.ArgumentParser(add_help=False))
-    options, _ = parser.parse_known_args(feature_args)
-    enabled = features.enabled_features(options)
+    enabled = _features_switched_on(feature_args)
     if not enabled:
         raise HarnessError(f"no feature is switched on by {' '.join(feature_args) or '(no flags)'}")
     inexact = [f.tolerance.for_precision(low_precision) for f in enabled if not f.tolerance.exact]
@@ -132,10 +136,19 @@ def compare(feature_args: list[str], *, layout: str | None = None, extra_args: l
         raise HarnessError("comparing flags that are not features needs an explicit tolerance")
     if layout is not None and layout not in LAYOUTS:
         raise HarnessError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+    switched_on = _features_switched_on(list(feature_args))
+    omitted = {flag for feature in switched_on for flag in feature.unpatched_baseline_omits}
+    feature_args = [*feature_args, *(a for a in extra_args if a in omitted)]
+    extra_args = [a for a in extra_args if a not in omitted]
     low_precision = any(flag in extra_args for flag in ("--bf16", "--fp16"))
     tol = tolerance or tolerance_for(list(feature_args), low_precision)
     base = [*(LAYOUTS[layout] if layout else []), *extra_args, "--train-iters", str(iters)]
     with tempfile.TemporaryDirectory(prefix="mm-adaptor-check-") as tmp:
+        if any(f.changes_parameter_layout for f in switched_on):
+            # Different parameter layouts initialise differently: both runs start from the off run's init.
+            init = Path(tmp) / "init"
+            _train([*base, "--train-iters", "0", "--save", str(init)], Path(tmp) / "init-dump", nproc, timeout, echo)
+            base = [*base, "--load", str(init), "--no-load-optim"]
         off = _train(base, Path(tmp) / "off", nproc, timeout, echo)
         on = _train([*base, *feature_args], Path(tmp) / "on", nproc, timeout, echo)
     if require_features and not on[0]["features"]:

@@ -17,9 +17,27 @@ def _add_feature_arguments(wrapped, instance, args, kwargs):
     return features.add_arguments(parser)
 
 
+def _validate_with_overrides(wrapped, args, kwargs, megatron_args):
+    """Run Megatron-LM's validation with the enabled features' overrides in place; restore the user's values."""
+    overrides = {}
+    for feature in features.enabled_features(features.fill_defaults(megatron_args)):
+        overrides.update(feature.megatron_lm_validation_overrides)
+    saved = {name: getattr(megatron_args, name) for name in overrides if hasattr(megatron_args, name)}
+    for name, value in overrides.items():
+        setattr(megatron_args, name, value)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        for name in overrides:
+            if name in saved:
+                setattr(megatron_args, name, saved[name])
+            else:
+                delattr(megatron_args, name)
+
+
 def _enable_after_validation(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
     megatron_args = args[0] if args else kwargs.get("args")
+    result = _validate_with_overrides(wrapped, args, kwargs, megatron_args)
     from mm_adaptor import __version__, devices
     from mm_adaptor.api import enable
 

@@ -82,6 +82,7 @@ def build_parser(prog: str = "mm-adaptor train") -> argparse.ArgumentParser:
     t.add_argument("--save", type=str, default=None, help="checkpoint directory to save into")
     t.add_argument("--save-interval", type=int, default=None, help="default: save once, at the end")
     t.add_argument("--load", type=str, default=None, help="checkpoint directory to resume from")
+    t.add_argument("--no-load-optim", action="store_true", help="load the checkpoint's weights only")
     t.add_argument("--dump", type=str, default=None,
                    help="write per-rank losses, final gradients and parameters here (used by mm-adaptor check)")
     t.add_argument("--timeout", type=float, default=900.0, help="seconds before local ranks are declared hung")
@@ -537,7 +538,7 @@ def _train(args, backend) -> None:
     if args.load:
         from mm_adaptor.checkpoint import load_checkpoint
 
-        state.iteration = load_checkpoint(state, args.load)
+        state.iteration = load_checkpoint(state, args.load, load_optim=not args.no_load_optim)
         _print_last_rank(f" loaded checkpoint from {args.load} at iteration {state.iteration}")
 
     dp_rank = ps.get_data_parallel_rank()
@@ -613,6 +614,28 @@ def summary(args, records: list[StepRecord], start_iteration: int, layout: str) 
             f"mean iteration {mean_ms:.1f} ms (excluding the first) | tokens per second {tps:.1f}")
 
 
+def _dump_entries(chunk):
+    """(name, parameter, view) per parameter; GroupedMLP's fused expert matrices are split into SequentialMLP's
+    per-expert weights and names, so the two expert implementations compare tensor by tensor."""
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    def fc_views(n, h):
+        fc1 = [lambda t, e=e: t.view(n, h, -1)[e].t() for e in range(n)]  # [hidden, E*2f] -> [2f, hidden]
+        fc2 = [lambda t, e=e: t.view(n, -1, h)[e].t() for e in range(n)]  # [E*f, hidden] -> [hidden, f]
+        return fc1, fc2
+
+    split = {}
+    for prefix, module in chunk.named_modules():
+        if isinstance(module, GroupedMLP):
+            dot = f"{prefix}." if prefix else ""
+            fc1, fc2 = fc_views(module.num_local_experts, module.config.hidden_size)
+            split[f"{dot}weight1"] = [(f"{dot}local_experts.{e}.linear_fc1.weight", v) for e, v in enumerate(fc1)]
+            split[f"{dot}weight2"] = [(f"{dot}local_experts.{e}.linear_fc2.weight", v) for e, v in enumerate(fc2)]
+    for name, p in chunk.named_parameters():
+        for split_name, view in split.get(name, [(name, lambda t: t)]):
+            yield split_name, p, view
+
+
 def write_dump(state: RunState, directory: str) -> None:
     """Per-rank losses, final main gradients and parameters, keyed by chunk and parameter name."""
     import torch
@@ -622,14 +645,14 @@ def write_dump(state: RunState, directory: str) -> None:
     path.mkdir(parents=True, exist_ok=True)
     grads, params = {}, {}
     for i, chunk in enumerate(state.model):
-        for name, p in chunk.named_parameters():
+        for name, p, view in _dump_entries(chunk):
             key = f"chunk{i}.{name}"
-            params[key] = p.detach().float().clone()
+            params[key] = view(p.detach()).float().clone()
             g = getattr(p, "main_grad", None)
             if g is None:
                 g = p.grad
             if g is not None:
-                grads[key] = g.detach().float().clone()
+                grads[key] = view(g.detach()).float().clone()
     from mm_adaptor.memory import optimizer_state_bytes, parameter_bytes
 
     memory = dict(state.memory, parameter_bytes=parameter_bytes(state.model),

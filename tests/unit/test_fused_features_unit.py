@@ -89,3 +89,84 @@ def test_preconditions_are_named(cpu_backend, options, message):
     with pytest.raises(FeatureConfigError, match=message):
         mm_adaptor.enable(argparse.Namespace(**options))
     assert mm_adaptor.applied() == {}
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(use_fused_gmm=True, num_experts=None, moe_grouped_gemm=True), "add --num-experts"),
+    (dict(use_fused_gmm=True, num_experts=4, moe_grouped_gemm=False), "add --moe-grouped-gemm"),
+    (dict(use_fused_gmm=True, num_experts=4, moe_grouped_gemm=True, add_bias_linear=True), "--disable-bias-linear"),
+    (dict(use_fused_gmm=True, num_experts=4, moe_grouped_gemm=True, disable_bias_linear=False),
+     "--disable-bias-linear"),
+])
+def test_fused_gmm_preconditions_are_named(cpu_backend, options, message):
+    with pytest.raises(FeatureConfigError, match=message):
+        mm_adaptor.enable(argparse.Namespace(**options))
+    assert mm_adaptor.applied() == {}
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_gmm_keeps_the_grouped_gemm_package_signature(trans_b):
+    from mm_adaptor.patches.transformer.moe_grouped_gemm import gmm
+
+    sizes = torch.tensor([3, 0, 2])
+    a, b = torch.randn(5, 4), torch.randn(3, 6, 4) if trans_b else torch.randn(3, 4, 6)
+    rows = torch.repeat_interleave(torch.arange(3), sizes)
+    expected = torch.stack([a[i] @ (b[e].t() if trans_b else b[e]) for i, e in enumerate(rows.tolist())])
+    torch.testing.assert_close(gmm(a, b, sizes, trans_b=trans_b), expected)
+
+
+def single_rank_experts():
+    one = type("Group", (), {"size": lambda self: 1, "rank": lambda self: 0})()
+    return type("PgCollection", (), {"ep": one, "expt_tp": one, "expt_dp": one})()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mlp_runs_on_the_native_op_in_any_dtype(cpu_backend, dtype):
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    config = tiny_config(num_moe_experts=3, moe_ffn_hidden_size=8, add_bias_linear=False, params_dtype=dtype,
+                         bf16=dtype == torch.bfloat16)
+    with pytest.raises(AssertionError, match="Grouped GEMM is not available"):
+        GroupedMLP(3, config, pg_collection=single_rank_experts())
+    mm_adaptor.enable(argparse.Namespace(use_fused_gmm=True, num_experts=3, moe_grouped_gemm=True,
+                                         disable_bias_linear=True))
+    experts = GroupedMLP(3, config, pg_collection=single_rank_experts())
+    sizes = torch.tensor([2, 0, 3])
+    x = torch.randn(5, 16, dtype=dtype, requires_grad=True)
+    probs = torch.rand(5, dtype=dtype)
+    out, bias = experts(x, sizes, probs)
+    assert bias is None and out.dtype == dtype
+    w1, w2 = experts.weight1.view(3, 16, 16), experts.weight2.view(3, 8, 16)
+    rows = torch.repeat_interleave(torch.arange(3), sizes).tolist()
+    expected = []
+    for i, e in enumerate(rows):
+        gate, up = (x[i].float() @ w1[e].float()).chunk(2)
+        expected.append((torch.nn.functional.silu(gate) * up * probs[i].float()) @ w2[e].float())
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.float(), torch.stack(expected), **tol)
+    out.float().sum().backward()
+    assert experts.weight1.grad.view(3, 16, 16)[1].abs().sum() == 0, "an expert without tokens gets zero gradients"
+    assert experts.weight1.grad.view(3, 16, 16)[0].abs().sum() > 0
+
+
+def test_dump_names_grouped_experts_like_sequential_ones(cpu_backend):
+    """The harness compares GroupedMLP with SequentialMLP through these views: F.linear with the viewed
+    per-expert weights must reproduce GroupedMLP's output."""
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    from mm_adaptor.train import _dump_entries
+
+    mm_adaptor.enable(argparse.Namespace(use_fused_gmm=True, num_experts=2, moe_grouped_gemm=True,
+                                         disable_bias_linear=True))
+    config = tiny_config(num_moe_experts=2, moe_ffn_hidden_size=8, add_bias_linear=False)
+    experts = GroupedMLP(2, config, pg_collection=single_rank_experts())
+    views = {name: view(p.detach()) for name, p, view in _dump_entries(experts)}
+    assert sorted(views) == [f"local_experts.{e}.linear_fc{i}.weight" for e in (0, 1) for i in (1, 2)]
+    assert views["local_experts.0.linear_fc1.weight"].shape == (16, 16)  # [2 x ffn, hidden], like ColumnParallel
+    assert views["local_experts.0.linear_fc2.weight"].shape == (16, 8)
+    x, sizes, probs = torch.randn(4, 16), torch.tensor([1, 3]), torch.ones(4)
+    out, _ = experts(x, sizes, probs)
+    F = torch.nn.functional
+    for e, rows in enumerate(torch.split(torch.arange(4), sizes.tolist())):
+        gate, up = F.linear(x[rows], views[f"local_experts.{e}.linear_fc1.weight"]).chunk(2, -1)
+        torch.testing.assert_close(out[rows], F.linear(F.silu(gate) * up, views[f"local_experts.{e}.linear_fc2.weight"]))

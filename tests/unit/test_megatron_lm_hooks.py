@@ -5,40 +5,62 @@ import subprocess
 import sys
 import textwrap
 
+STUB_ARGUMENTS = '''
+import argparse
 
-def test_flags_reach_megatron_parser_and_features_apply_after_validation(tmp_path):
+import torch
+
+
+def add_megatron_arguments(parser):
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--use-flash-attn", action="store_true")  # Megatron-LM owns this flag
+    parser.add_argument("--num-experts", type=int, default=None)
+    parser.add_argument("--moe-grouped-gemm", action="store_true")
+    parser.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    return parser
+
+
+def parse_args(argv):
+    return add_megatron_arguments(argparse.ArgumentParser()).parse_args(argv)
+
+
+def validate_args(args, defaults={}):
+    if args.moe_grouped_gemm:  # as Megatron-LM does, for the grouped_gemm package's CUTLASS kernels
+        assert torch.cuda.get_device_capability()[0] >= 8, "Unsupported compute capability for GroupedGEMM kernels."
+    args.validated = True
+    return args
+'''
+
+PRELUDE = '''
+import sys
+import mm_adaptor.megatron_adaptor          # the one line, imported BEFORE megatron.training
+sys.path.append({stub!r})   # megatron is a namespace package: the stub joins it
+from megatron.training.arguments import parse_args, validate_args
+import mm_adaptor
+'''
+
+
+def run_against_stub(tmp_path, body: str) -> subprocess.CompletedProcess:
     training = tmp_path / "stub" / "megatron" / "training"
     training.mkdir(parents=True)
     (training / "__init__.py").write_text("")
-    (training / "arguments.py").write_text(textwrap.dedent('''
-        import argparse
+    (training / "arguments.py").write_text(STUB_ARGUMENTS)
+    script = PRELUDE.format(stub=str(tmp_path / "stub")) + textwrap.dedent(body)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
 
-        def add_megatron_arguments(parser):
-            parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
-            parser.add_argument("--use-flash-attn", action="store_true")  # Megatron-LM owns this flag
-            return parser
 
-        def parse_args(argv):
-            return add_megatron_arguments(argparse.ArgumentParser()).parse_args(argv)
-
-        def validate_args(args, defaults={}):
-            args.validated = True
-            return args
-    '''))
-    script = textwrap.dedent(f'''
-        import sys
-        import mm_adaptor.megatron_adaptor          # the one line, imported BEFORE megatron.training
-        sys.path.append({str(tmp_path / "stub")!r})   # megatron is a namespace package: the stub joins it
-        from megatron.training.arguments import parse_args, validate_args
-        import mm_adaptor
+def test_flags_reach_megatron_parser_and_features_apply_after_validation(tmp_path):
+    result = run_against_stub(tmp_path, '''
         from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as V
         original = V.__dict__["calculate_predicted_logits"]
 
         args = parse_args(["--tensor-model-parallel-size", "2"])
         assert args.optimize_vocab_parallel_ce is False
-        assert mm_adaptor.applied() == {{}}, "nothing may be applied before Megatron validates its arguments"
+        assert mm_adaptor.applied() == {}, "nothing may be applied before Megatron validates its arguments"
         validate_args(args)
-        assert mm_adaptor.applied() == {{}}, "a flag that is off applies nothing"
+        assert mm_adaptor.applied() == {}, "a flag that is off applies nothing"
 
         mm_adaptor.disable(keep_device=True)
         args = parse_args(["--optimize-vocab-parallel-ce", "--use-flash-attn"])  # the second is Megatron's own flag
@@ -49,7 +71,29 @@ def test_flags_reach_megatron_parser_and_features_apply_after_validation(tmp_pat
         assert V.__dict__["calculate_predicted_logits"] is original
         print("HOOKS-OK")
     ''')
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
     assert "HOOKS-OK" in result.stdout
     assert "features applied: flash-attn (1 patches); optimize-vocab-parallel-ce (1 patches)" in result.stdout
+
+
+def test_fused_gmm_lifts_the_grouped_gemm_device_check_only_while_validating(tmp_path):
+    result = run_against_stub(tmp_path, '''
+        flags = ["--num-experts", "4", "--moe-grouped-gemm", "--disable-bias-linear"]
+        try:
+            validate_args(parse_args(flags))
+        except AssertionError as exc:
+            assert "GroupedGEMM" in str(exc), exc
+        else:
+            raise SystemExit("without --use-fused-gmm, Megatron-LM's own check must still fire")
+        mm_adaptor.disable(keep_device=True)
+
+        args = parse_args([*flags, "--use-fused-gmm"])
+        validate_args(args)
+        assert args.validated and args.moe_grouped_gemm is True, "the user's value is back after validation"
+        assert list(mm_adaptor.applied()) == ["fused-gmm"], mm_adaptor.applied()
+        from megatron.core.transformer.moe import grouped_gemm_util as gg
+        assert gg.grouped_gemm_is_available() and callable(gg.ops.gmm)
+        mm_adaptor.disable()
+        assert gg.ops is None and not gg.grouped_gemm_is_available()
+        print("GMM-OK")
+    ''')
+    assert "GMM-OK" in result.stdout
