@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import wrapt
 
 from mm_adaptor import features
@@ -10,6 +12,7 @@ from mm_adaptor.patching import Contract, PatchSet
 MEGATRON_016 = ">=0.16.0,<0.17"
 _hooks_registered = False
 _argument_patches: list[PatchSet] = []
+_ABSENT = object()
 
 
 def _add_feature_arguments(wrapped, instance, args, kwargs):
@@ -17,22 +20,42 @@ def _add_feature_arguments(wrapped, instance, args, kwargs):
     return features.add_arguments(parser)
 
 
+def _assign(namespace, values: dict) -> None:
+    for name, value in values.items():
+        if value is _ABSENT:
+            if hasattr(namespace, name):
+                delattr(namespace, name)
+        else:
+            setattr(namespace, name, value)
+
+
 def _validate_with_overrides(wrapped, args, kwargs, megatron_args):
-    """Run Megatron-LM's validation with the enabled features' overrides in place; restore the user's values."""
+    """Run Megatron-LM's validation with the enabled features' overrides in place; its argument printout and
+    everything after validation see the user's values."""
     overrides = {}
     for feature in features.enabled_features(features.fill_defaults(megatron_args)):
         overrides.update(feature.megatron_lm_validation_overrides)
-    saved = {name: getattr(megatron_args, name) for name in overrides if hasattr(megatron_args, name)}
-    for name, value in overrides.items():
-        setattr(megatron_args, name, value)
+    if not overrides:
+        return wrapped(*args, **kwargs)
+    users = {name: getattr(megatron_args, name, _ABSENT) for name in overrides}
+
+    def print_users_values(print_args, _instance, p_args, p_kwargs):
+        _assign(megatron_args, users)
+        try:
+            return print_args(*p_args, **p_kwargs)
+        finally:
+            _assign(megatron_args, overrides)
+
+    printout = PatchSet("megatron-lm:validation-printout")
+    if hasattr(sys.modules[wrapped.__module__], "_print_args"):
+        printout.wrap(f"{wrapped.__module__}._print_args", print_users_values)
+    _assign(megatron_args, overrides)
+    printout.apply()
     try:
         return wrapped(*args, **kwargs)
     finally:
-        for name in overrides:
-            if name in saved:
-                setattr(megatron_args, name, saved[name])
-            else:
-                delattr(megatron_args, name)
+        printout.revert()
+        _assign(megatron_args, users)
 
 
 def _enable_after_validation(wrapped, instance, args, kwargs):

@@ -28,7 +28,12 @@ def validate_args(args, defaults={}):
     if args.moe_grouped_gemm:  # as Megatron-LM does, for the grouped_gemm package's CUTLASS kernels
         assert torch.cuda.get_device_capability()[0] >= 8, "Unsupported compute capability for GroupedGEMM kernels."
     args.validated = True
+    _print_args("arguments", args)
     return args
+
+
+def _print_args(title, args):
+    print(f"{title}: moe_grouped_gemm={args.moe_grouped_gemm}")
 '''
 
 PRELUDE = '''
@@ -97,3 +102,4 @@ def test_fused_gmm_lifts_the_grouped_gemm_device_check_only_while_validating(tmp
         print("GMM-OK")
     ''')
     assert "GMM-OK" in result.stdout
+    assert "arguments: moe_grouped_gemm=True" in result.stdout, "Megatron-LM's printout shows the user's value"
