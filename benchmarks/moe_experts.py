@@ -1,0 +1,127 @@
+"""MoE experts: GroupedMLP on the native grouped_matmul (--use-fused-gmm) against SequentialMLP, side by side.
+
+python benchmarks/moe_experts.py [--tokens 4096] [--hidden 1024] [--ffn 2816] [--experts 8] [--dtype float32 bfloat16]
+
+One process, one gloo rank. Both modules hold the same weights (SequentialMLP's are views of GroupedMLP's,
+as the harness compares them) and see the same routed tokens; the outputs are checked to agree before timing.
+Forward+backward medians (torch.utils.benchmark); ratio = SequentialMLP / GroupedMLP (>1: grouped faster).
+Saved activation bytes are what autograd keeps after one forward (weights excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+
+import torch
+import torch.nn.functional as F
+from torch.utils import benchmark
+
+
+def init_single_rank():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+
+
+def build(args, dtype):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+
+    from mm_adaptor.train import _dump_entries
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=args.hidden, ffn_hidden_size=args.ffn, moe_ffn_hidden_size=args.ffn,
+        num_attention_heads=8, num_moe_experts=args.experts, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, bias_activation_fusion=False, use_cpu_initialization=True, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16)
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    grouped = GroupedMLP(args.experts, config, pg_collection=groups)
+    spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False)
+    sequential = SequentialMLP(args.experts, config, spec.submodules.mlp.submodules.experts.submodules,
+                               pg_collection=groups)
+    weights = dict(sequential.named_parameters())
+    with torch.no_grad():
+        for name, p, view in _dump_entries(grouped):
+            weights[name].copy_(view(p))
+    return grouped, sequential
+
+
+def saved_bytes(fn, module) -> int:
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        if t.untyped_storage().data_ptr() not in weights:
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return total
+
+
+def median_ms(fn, min_run_time):
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=2816)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--min-run-time", type=float, default=2.0)
+    args = parser.parse_args(argv)
+
+    import mm_adaptor
+
+    mm_adaptor.enable(argparse.Namespace(use_fused_gmm=True, num_experts=args.experts, moe_grouped_gemm=True,
+                                         disable_bias_linear=True))
+    init_single_rank()
+    torch.manual_seed(0)
+    print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"{args.tokens} routed tokens, hidden {args.hidden}, expert ffn {args.ffn}, {args.experts} experts")
+    print("| dtype | pass | GroupedMLP (native) ms | SequentialMLP ms | ratio | saved activations grouped / sequential |")
+    print("|---|---|---|---|---|---|")
+    for dtype_name in args.dtype:
+        dtype = getattr(torch, dtype_name)
+        grouped, sequential = build(args, dtype)
+        counts = torch.distributions.Multinomial(args.tokens, torch.ones(args.experts)).sample().long()
+        x = torch.randn(args.tokens, args.hidden, dtype=dtype, requires_grad=True)
+        probs = torch.rand(args.tokens, dtype=dtype)
+        grad = torch.randn(args.tokens, args.hidden, dtype=dtype)
+        runs = {"grouped": lambda: grouped(x, counts, probs)[0], "sequential": lambda: sequential(x, counts, probs)[0]}
+        with torch.no_grad():
+            torch.testing.assert_close(runs["grouped"]().float(), runs["sequential"]().float(),
+                                       **({"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}))
+            fwd = {k: median_ms(f, args.min_run_time) for k, f in runs.items()}
+
+        def fwd_bwd(f):
+            def run():
+                x.grad = None
+                f().backward(grad)
+            return run
+
+        fb = {k: median_ms(fwd_bwd(f), args.min_run_time) for k, f in runs.items()}
+        modules = {"grouped": grouped, "sequential": sequential}
+        saved = {k: saved_bytes(f, modules[k]) for k, f in runs.items()}
+        memory = f"{saved['grouped'] / 2**20:.1f} / {saved['sequential'] / 2**20:.1f} MiB"
+        for label, table in (("fwd", fwd), ("fwd+bwd", fb)):
+            print(f"| {dtype_name} | {label} | {table['grouped']:.2f} | {table['sequential']:.2f} | "
+                  f"{table['sequential'] / table['grouped']:.2f}x | {memory if label == 'fwd' else ''} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
