@@ -1,14 +1,15 @@
 """--use-fused-swiglu: the MLP's SwiGLU activation runs the native swiglu kernel."""
 
-from mm_adaptor.features import Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register, wrap_one
+from mm_adaptor.features import MEGATRON_CORE_016, Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register
 from mm_adaptor.feature_flags.fused_rmsnorm import require_local_spec
 
 
 @register
 class FusedSwiGLU(Feature):
     name = "fused-swiglu"
-    description = ("the MLP's SwiGLU (fused-bias and plain paths) runs mm_adaptor::swiglu, which saves only its "
-                   "input for backward and recomputes silu there")
+    description = ("the MLP's SwiGLU (fused-bias and plain paths, MoE experts of SequentialMLP and GroupedMLP "
+                   "included) runs mm_adaptor::swiglu, which saves only its input for backward and recomputes silu "
+                   "there")
     flags = (Flag("--use-fused-swiglu", description),)
     tolerance = fused_kernel_tolerance("silu in fp32 with a polynomial exp (~2 ulp)")
 
@@ -18,6 +19,12 @@ class FusedSwiGLU(Feature):
         require_local_spec(self, options)
 
     def patch_sets(self, options):
-        from mm_adaptor.patches.transformer.fused_ops import mlp_forward_with_fused_swiglu
+        from mm_adaptor.patches.transformer import fused_ops
+        from mm_adaptor.patching import Contract, PatchSet
 
-        return wrap_one(self.name, "megatron.core.transformer.mlp.MLP.forward", mlp_forward_with_fused_swiglu)
+        ps = PatchSet(self.name)
+        ps.wrap("megatron.core.transformer.mlp.MLP.forward", fused_ops.mlp_forward_with_fused_swiglu,
+                contract=Contract(versions=MEGATRON_CORE_016))
+        ps.wrap("megatron.core.transformer.moe.experts.GroupedMLP.__init__",
+                fused_ops.grouped_mlp_init_with_fused_swiglu, contract=Contract(versions=MEGATRON_CORE_016))
+        return [ps]

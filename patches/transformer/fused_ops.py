@@ -39,27 +39,41 @@ def torch_norm_new_with_fused_rmsnorm(wrapped, instance, args, kwargs):
                         dtype=config.params_dtype)
 
 
-def _swiglu_applies(mlp, per_token_scale) -> bool:
+def _is_plain_swiglu(config, activation_func) -> bool:
     import torch.nn.functional as F
 
-    config = mlp.config
-    return (config.gated_linear_unit and mlp.activation_func is F.silu and not config.use_te_activation_func
-            and per_token_scale is None and config.activation_func_clamp_value is None
-            and not config.glu_linear_offset)
+    return (config.gated_linear_unit and activation_func is F.silu and not config.use_te_activation_func
+            and config.activation_func_clamp_value is None and not config.glu_linear_offset)
 
 
 def mlp_forward_with_fused_swiglu(wrapped, instance, args, kwargs):
-    """MLP.forward with fc1 -> (+bias) -> mm_adaptor::swiglu -> fc2; other activations run megatron's code."""
+    """MLP.forward with fc1 -> (+bias) -> mm_adaptor::swiglu [-> x routing probs] -> fc2; other activations run
+    megatron's code. The probability scale (MoE experts of SequentialMLP) is applied as megatron's unfused path does."""
     if instance is None:  # called through the class: MLP.forward(mlp, ...)
         instance, args = args[0], args[1:]
+    if not _is_plain_swiglu(instance.config, instance.activation_func):
+        return wrapped(*args, **kwargs)
     hidden_states = args[0] if args else kwargs["hidden_states"]
     per_token_scale = args[1] if len(args) > 1 else kwargs.get("per_token_scale")
-    if not _swiglu_applies(instance, per_token_scale):
-        return wrapped(*args, **kwargs)
     intermediate, bias = instance.linear_fc1(hidden_states)
     if bias is not None:
         intermediate = intermediate + bias
-    return instance.linear_fc2(ops.swiglu(intermediate))
+    intermediate = ops.swiglu(intermediate)
+    if per_token_scale is not None:
+        intermediate = (intermediate * per_token_scale.unsqueeze(-1)).to(intermediate.dtype)
+    output, output_bias = instance.linear_fc2(intermediate)
+    if per_token_scale is not None and output_bias is not None:  # an expert adds its scaled bias itself
+        # megatron adds in place: the sum is formed in the probabilities' dtype and stored in the output's
+        output = (output + output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)).to(output.dtype)
+        output_bias = None
+    return output, output_bias
+
+
+def grouped_mlp_init_with_fused_swiglu(wrapped, instance, args, kwargs):
+    """GroupedMLP built with its SwiGLU on mm_adaptor::swiglu (its probability scale reads self.activation_func)."""
+    wrapped(*args, **kwargs)
+    if _is_plain_swiglu(instance.config, instance.config.activation_func):
+        instance.activation_func = ops.swiglu
 
 
 _warned_rope_fallback = False

@@ -1,5 +1,6 @@
 """--use-fused-rmsnorm / --use-fused-swiglu / --use-fused-rotary-pos-emb / --use-flash-attn against unpatched Megatron:
-TP2+SP and PP2, fp32 and bf16, each alone and all together, within each feature's declared tolerance."""
+TP2+SP and PP2 (SwiGLU also in EP2 MoE experts), fp32 and bf16, each alone and all together, within each feature's
+declared tolerance."""
 
 import pytest
 
@@ -9,6 +10,12 @@ pytestmark = pytest.mark.distributed
 
 MODEL = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope"]
 FEATURES = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb", "--use-flash-attn"]
+
+
+def assert_saves_activations(result, what):
+    off, on = result.memory_off["saved_bytes_per_layer"], result.memory_on["saved_bytes_per_layer"]
+    for layer in (k for k in off if k.startswith("layer")):
+        assert on[layer] < off[layer], f"{layer}: {what} must save fewer activation bytes"
 
 
 def check(flags, layout, precision):
@@ -23,9 +30,14 @@ def check(flags, layout, precision):
 def test_each_fused_feature(flag, layout, precision):
     result = check([flag], layout, precision)
     if flag == "--use-fused-swiglu":
-        off, on = result.memory_off["saved_bytes_per_layer"], result.memory_on["saved_bytes_per_layer"]
-        for layer in (k for k in off if k.startswith("layer")):
-            assert on[layer] < off[layer], f"{layer}: the fused SwiGLU must save fewer activation bytes"
+        assert_saves_activations(result, "the fused SwiGLU")
+
+
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_fused_swiglu_reaches_moe_experts(precision):
+    """EP2 MoE with SequentialMLP experts: each expert's SwiGLU, scaled by its routing probabilities, is fused."""
+    result = check(["--use-fused-swiglu"], "ep2-moe", precision)
+    assert_saves_activations(result, "the experts' fused SwiGLU")
 
 
 @pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])

@@ -170,3 +170,97 @@ def test_dump_names_grouped_experts_like_sequential_ones(cpu_backend):
     for e, rows in enumerate(torch.split(torch.arange(4), sizes.tolist())):
         gate, up = F.linear(x[rows], views[f"local_experts.{e}.linear_fc1.weight"]).chunk(2, -1)
         torch.testing.assert_close(out[rows], F.linear(F.silu(gate) * up, views[f"local_experts.{e}.linear_fc2.weight"]))
+
+
+def sequential_experts(config, experts):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
+    return SequentialMLP(experts, config, spec.submodules.mlp.submodules.experts.submodules,
+                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def expert_reference(experts, x, sizes, probs):
+    """SequentialMLP's math written out: per expert, (silu(gate) * up * prob) @ fc2 (+ fc2 bias * prob), products
+    with the (fp32) probabilities cast back to the model's dtype."""
+    F = torch.nn.functional
+    outputs = []
+    for expert, rows in zip(experts.local_experts, torch.split(torch.arange(len(x)), sizes.tolist())):
+        fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+        gate, up = F.linear(x[rows], fc1.weight, fc1.bias).chunk(2, -1)
+        scale = probs[rows].unsqueeze(-1)
+        out = F.linear((F.silu(gate) * up * scale).to(x.dtype), fc2.weight)
+        outputs.append(out if fc2.bias is None else (out + fc2.bias * scale).to(x.dtype))
+    return torch.cat(outputs)
+
+
+def output_and_grads(fn, module, probs):
+    module.zero_grad()
+    probs.grad = None
+    out = fn()
+    out.sum().backward()
+    return out.detach(), {name: p.grad.clone() for name, p in module.named_parameters()}, probs.grad.clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_fused_swiglu_reaches_sequential_experts(single_rank_megatron, cpu_backend, monkeypatch, bias, dtype):
+    """Experts get routing probabilities (per_token_scale): the fused path scales as megatron's unfused one does.
+    Megatron's own expert path cannot be the reference with a bias on one rank (TP1, EP1): it adds the scaled bias
+    in place to the row-parallel output, there a view that autograd refuses to modify."""
+    from mm_adaptor import ops
+    from mm_adaptor.patches.transformer import fused_ops
+
+    config = tiny_config(num_moe_experts=2, moe_ffn_hidden_size=8, add_bias_linear=bias, params_dtype=dtype,
+                         bf16=dtype == torch.bfloat16)
+    x = torch.randn(5, 16, dtype=dtype)
+    sizes, probs = torch.tensor([3, 2]), torch.rand(5, requires_grad=True)  # the router's probabilities are fp32
+    torch.manual_seed(0)
+    unpatched = sequential_experts(config, 2)
+    if not bias:
+        megatron = output_and_grads(lambda: unpatched(x, sizes, probs)[0], unpatched, probs)
+
+    calls = []
+    native = ops.swiglu
+    monkeypatch.setattr(fused_ops.ops, "swiglu", lambda t: calls.append(t.shape) or native(t))
+    mm_adaptor.enable(argparse.Namespace(use_fused_swiglu=True, swiglu=True))
+    fused = sequential_experts(config, 2)
+    fused.load_state_dict(unpatched.state_dict())
+    out, out_bias = fused(x, sizes, probs)
+    assert calls == [torch.Size([3, 16]), torch.Size([2, 16])], "each expert's SwiGLU runs the native op"
+    assert out_bias is None, "an expert adds its scaled bias itself"
+    assert out.dtype == dtype, "the expert's output keeps the model's dtype"
+    got = output_and_grads(lambda: fused(x, sizes, probs)[0], fused, probs)
+    references = [output_and_grads(lambda: expert_reference(fused, x, sizes, probs), fused, probs)]
+    if not bias:
+        references.append(megatron)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+    for reference in references:
+        torch.testing.assert_close(got[0], reference[0], **tol)
+        for name in got[1]:
+            torch.testing.assert_close(got[1][name], reference[1][name], msg=name, **tol)
+        torch.testing.assert_close(got[2], reference[2], **tol)
+
+
+def test_fused_swiglu_reaches_grouped_experts(cpu_backend):
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    from mm_adaptor import ops
+
+    mm_adaptor.enable(argparse.Namespace(use_fused_gmm=True, num_experts=2, moe_grouped_gemm=True,
+                                         disable_bias_linear=True, use_fused_swiglu=True, swiglu=True))
+    config = tiny_config(num_moe_experts=2, moe_ffn_hidden_size=8, add_bias_linear=False)
+    experts = GroupedMLP(2, config, pg_collection=single_rank_experts())
+    assert experts.activation_func is ops.swiglu
+    x, sizes, probs = torch.randn(4, 16), torch.tensor([1, 3]), torch.rand(4)
+    F = torch.nn.functional
+    w1, w2 = experts.weight1.view(2, 16, 16), experts.weight2.view(2, 8, 16)
+    rows = torch.repeat_interleave(torch.arange(2), sizes).tolist()
+    expected = torch.stack([(F.silu((x[i] @ w1[e])[:8]) * (x[i] @ w1[e])[8:] * probs[i]) @ w2[e]
+                            for i, e in enumerate(rows)])
+    torch.testing.assert_close(experts(x, sizes, probs)[0], expected)
+    geglu = GroupedMLP(2, tiny_config(num_moe_experts=2, moe_ffn_hidden_size=8, add_bias_linear=False,
+                                      activation_func=F.gelu), pg_collection=single_rank_experts())
+    assert geglu.activation_func is not ops.swiglu, "other gated activations keep megatron's code"
