@@ -1,7 +1,6 @@
 """With the adaptor installed, megatron's ColumnParallelLinear accepts gradient_accumulation_fusion without Apex
 and its backward accumulates the weight gradient into main_grad through the native op."""
 
-import pytest
 import torch
 
 from mm_adaptor import devices
