@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 
 import torch
 import torch.nn.functional as F
-from torch.utils import benchmark
+
+from _common import median_ms, print_table_header
 
 
 def init_single_rank():
@@ -70,10 +70,6 @@ def saved_bytes(fn, module) -> int:
     return total
 
 
-def median_ms(fn, min_run_time):
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
-
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -91,10 +87,9 @@ def main(argv=None):
                                          disable_bias_linear=True))
     init_single_rank()
     torch.manual_seed(0)
-    print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"{args.tokens} routed tokens, hidden {args.hidden}, expert ffn {args.ffn}, {args.experts} experts")
-    print("| dtype | pass | GroupedMLP (native) ms | SequentialMLP ms | ratio | saved activations grouped / sequential |")
-    print("|---|---|---|---|---|---|")
+    print_table_header(f"{args.tokens} routed tokens, hidden {args.hidden}, expert ffn {args.ffn}, {args.experts} experts",
+                       ["dtype", "pass", "GroupedMLP (native) ms", "SequentialMLP ms", "ratio",
+                        "saved activations grouped / sequential"])
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
         grouped, sequential = build(args, dtype)

@@ -8,11 +8,11 @@ Forward and forward+backward medians (torch.utils.benchmark); ratio = eager / na
 from __future__ import annotations
 
 import argparse
-import platform
 
 import torch
 import torch.nn.functional as F
-from torch.utils import benchmark
+
+from _common import median_ms, print_table_header
 
 import mm_adaptor.ops as ops
 
@@ -36,10 +36,6 @@ def eager_rope(t, freqs):
 
     return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=False)
 
-
-def median_ms(fn, min_run_time):
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
 def fwd_bwd(f, inputs, grad):
@@ -77,10 +73,8 @@ def main(argv=None):
     parser.add_argument("--min-run-time", type=float, default=1.0)
     args = parser.parse_args(argv)
     ops.library.ensure(args.device)
-    print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"{args.tokens} tokens, device {args.device}")
-    print("| op | dtype | hidden | pass | native ms | compared with | its ms | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+    print_table_header(f"{args.tokens} tokens, device {args.device}",
+                       ["op", "dtype", "hidden", "pass", "native ms", "compared with", "its ms", "ratio"])
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
         for hidden in args.hidden:
