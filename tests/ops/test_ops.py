@@ -62,7 +62,7 @@ def test_rms_norm(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 2), (3, 5, 34), (17, 254), (64, 2048)])
+@pytest.mark.parametrize("shape", [(1, 2), (3, 5, 34), (17, 254), (64, 2048), (5, 2202)])  # 2202: a partial last block
 def test_swiglu(dtype, shape):
     seed = random.randrange(1 << 30)
     x = rand(shape, dtype, seed)
@@ -86,7 +86,9 @@ def test_rotary_pos_emb(dtype, interleaved, s, b, h, d, rot):
     close(op("rotary_pos_emb_bwd")(dy, freqs, interleaved), ref.rotary_pos_emb_bwd(dy, freqs, interleaved), dtype)
 
 
-def test_rotary_matches_megatron_apply_rotary_pos_emb():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_matches_megatron_apply_rotary_pos_emb(dtype):
+    """Megatron's angles repeat within each rotary pair (the kernel then computes one cos/sin per pair)."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
     for interleaved in (False, True):
@@ -94,7 +96,8 @@ def test_rotary_matches_megatron_apply_rotary_pos_emb():
         base = torch.randn(11, 1, 1, 12, dtype=torch.float64)
         freqs = (torch.stack([base, base], -1).flatten(-2) if interleaved else torch.cat([base, base], -1))
         expected = _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
-        close(ops.rotary_pos_emb(t, freqs, interleaved), expected, torch.float64)
+        angles = freqs if dtype == torch.float64 else freqs.float()
+        close(ops.rotary_pos_emb(t.to(dtype), angles, interleaved), expected.to(dtype), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

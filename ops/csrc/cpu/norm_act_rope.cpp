@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -157,6 +158,52 @@ inline A sigmoid(A a) { return A(1) / (A(1) + vexp(-a)); }
 template <typename A>
 inline A silu(A a) { return a * sigmoid(a); }
 
+// Element-wise kernels run over blocks of at most kBlock elements in A (fp32 or fp64): half/bf16 inputs are
+// widened into stack buffers first and results narrowed afterwards, each in a plain loop the compiler
+// vectorises; the arithmetic then sees only A. For float inputs the buffers are skipped.
+constexpr int64_t kBlock = 512;
+
+template <typename T, typename A>
+inline const A* widen(const T* __restrict__ src, A* __restrict__ buffer, int64_t len) {
+  if constexpr (std::is_same_v<T, A>) {
+    return src;
+  } else {
+    for (int64_t i = 0; i < len; ++i) buffer[i] = static_cast<A>(src[i]);
+    return buffer;
+  }
+}
+
+template <typename T, typename A>
+inline A* output_buffer(T* dst, A* buffer) {
+  if constexpr (std::is_same_v<T, A>) {
+    return dst;
+  } else {
+    return buffer;
+  }
+}
+
+template <typename T, typename A>
+inline void narrow_into(const A* __restrict__ src, T* __restrict__ dst, int64_t len) {
+  if constexpr (!std::is_same_v<T, A>) {
+    for (int64_t i = 0; i < len; ++i) dst[i] = static_cast<T>(src[i]);
+  }
+}
+
+template <typename A>
+inline void swiglu_block(const A* __restrict__ a, const A* __restrict__ b, A* __restrict__ y, int64_t len) {
+  for (int64_t i = 0; i < len; ++i) y[i] = silu(a[i]) * b[i];
+}
+
+template <typename A>
+inline void swiglu_bwd_block(const A* __restrict__ a, const A* __restrict__ b, const A* __restrict__ g,
+                             A* __restrict__ da, A* __restrict__ db, int64_t len) {
+  for (int64_t i = 0; i < len; ++i) {
+    const A sig = sigmoid(a[i]);
+    da[i] = g[i] * b[i] * sig * (A(1) + a[i] * (A(1) - sig));
+    db[i] = g[i] * a[i] * sig;
+  }
+}
+
 at::Tensor swiglu_fwd(const at::Tensor& x_in) {
   auto x = x_in.contiguous();
   const int64_t n2 = x.size(-1);
@@ -172,12 +219,15 @@ at::Tensor swiglu_fwd(const at::Tensor& x_in) {
     const T* xp = x.data_ptr<T>();
     T* yp = y.data_ptr<T>();
     at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      A a_buf[kBlock], b_buf[kBlock], y_buf[kBlock];
       for (int64_t r = begin; r < end; ++r) {
-        const T* a = xp + r * n2;
-        const T* b = a + n;
-        T* yr = yp + r * n;
-        for (int64_t i = 0; i < n; ++i) {
-          yr[i] = static_cast<T>(silu<A>(static_cast<A>(a[i])) * static_cast<A>(b[i]));
+        for (int64_t i = 0; i < n; i += kBlock) {
+          const int64_t len = std::min(kBlock, n - i);
+          const T* a = xp + r * n2 + i;
+          T* yr = yp + r * n + i;
+          A* out = output_buffer<T, A>(yr, y_buf);
+          swiglu_block<A>(widen<T, A>(a, a_buf, len), widen<T, A>(a + n, b_buf, len), out, len);
+          narrow_into<T, A>(out, yr, len);
         }
       }
     });
@@ -199,18 +249,18 @@ at::Tensor swiglu_bwd(const at::Tensor& dy_in, const at::Tensor& x_in) {
     const T* dyp = dy.data_ptr<T>();
     T* dxp = dx.data_ptr<T>();
     at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      A a_buf[kBlock], b_buf[kBlock], g_buf[kBlock], da_buf[kBlock], db_buf[kBlock];
       for (int64_t r = begin; r < end; ++r) {
-        const T* a = xp + r * n2;
-        const T* b = a + n;
-        const T* g = dyp + r * n;
-        T* da = dxp + r * n2;
-        T* db = da + n;
-        for (int64_t i = 0; i < n; ++i) {
-          const A av = static_cast<A>(a[i]);
-          const A sig = sigmoid(av);
-          const A gv = static_cast<A>(g[i]);
-          da[i] = static_cast<T>(gv * static_cast<A>(b[i]) * sig * (A(1) + av * (A(1) - sig)));
-          db[i] = static_cast<T>(gv * av * sig);
+        for (int64_t i = 0; i < n; i += kBlock) {
+          const int64_t len = std::min(kBlock, n - i);
+          const T* a = xp + r * n2 + i;
+          T* da = dxp + r * n2 + i;
+          A* da_out = output_buffer<T, A>(da, da_buf);
+          A* db_out = output_buffer<T, A>(da + n, db_buf);
+          swiglu_bwd_block<A>(widen<T, A>(a, a_buf, len), widen<T, A>(a + n, b_buf, len),
+                              widen<T, A>(dyp + r * n + i, g_buf, len), da_out, db_out, len);
+          narrow_into<T, A>(da_out, da, len);
+          narrow_into<T, A>(db_out, da + n, len);
         }
       }
     });
@@ -221,7 +271,26 @@ at::Tensor swiglu_bwd(const at::Tensor& dy_in, const at::Tensor& x_in) {
 // t: [s, b, h, d]; freqs: [s or 1, 1, 1, rot] angles. The first `rot` channels rotate in pairs
 // (k, k + rot/2) for rotate-half or (2j, 2j + 1) for interleaved; the rest pass through.
 // Forward per pair: y0 = x0 c0 - x1 s0, y1 = x1 c1 + x0 s1. Backward (its transpose):
-// dx0 = g0 c0 + g1 s1, dx1 = g1 c1 - g0 s0.
+// dx0 = g0 c0 + g1 s1, dx1 = g1 c1 - g0 s0. One head per call.
+template <bool kInterleaved, bool kBackward, typename A>
+inline void rope_row(const A* __restrict__ x, A* __restrict__ y, const A* __restrict__ cs, const A* __restrict__ sn,
+                     int64_t rot, int64_t d) {
+  const int64_t pairs = rot / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t i0 = kInterleaved ? 2 * p : p;
+    const int64_t i1 = kInterleaved ? 2 * p + 1 : p + pairs;
+    const A x0 = x[i0], x1 = x[i1];
+    if constexpr (kBackward) {
+      y[i0] = x0 * cs[i0] + x1 * sn[i1];
+      y[i1] = x1 * cs[i1] - x0 * sn[i0];
+    } else {
+      y[i0] = x0 * cs[i0] - x1 * sn[i0];
+      y[i1] = x1 * cs[i1] + x0 * sn[i1];
+    }
+  }
+  for (int64_t k = rot; k < d; ++k) y[k] = x[k];
+}
+
 at::Tensor rope_apply(const at::Tensor& t_in, const at::Tensor& freqs_in, bool interleaved, bool backward) {
   TORCH_CHECK(t_in.dim() == 4, "rotary_pos_emb: expected a tensor of shape [s, b, h, d], got ", t_in.sizes());
   auto t = t_in.contiguous();
@@ -233,41 +302,46 @@ at::Tensor rope_apply(const at::Tensor& t_in, const at::Tensor& freqs_in, bool i
               "rotary_pos_emb: freqs must be [s, 1, 1, rot] with s = ", s, ", got ", freqs.sizes());
   const bool broadcast_s = freqs.size(0) == 1;
   auto out = at::empty_like(t);
+  const int64_t slab = b * h * d;  // one position's heads, contiguous
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "rotary_pos_emb", [&] {
     using T = scalar_t;
     using A = at::opmath_type<T>;  // float for half/bf16/float, double for double
     const T* tp = t.data_ptr<T>();
     T* op = out.data_ptr<T>();
     const A* fp = freqs.data_ptr<A>();
-    const int64_t half = rot / 2;
-    const int64_t pairs = rot / 2;
-    at::parallel_for(0, s, 1, [&](int64_t sb, int64_t se) {
-      std::vector<A> cs(rot), sn(rot);
-      for (int64_t si = sb; si < se; ++si) {
-        const A* f = fp + (broadcast_s ? 0 : si * rot);
-        for (int64_t k = 0; k < rot; ++k) {
-          cs[k] = std::cos(f[k]);
-          sn[k] = std::sin(f[k]);
-        }
-        for (int64_t bh = 0; bh < b * h; ++bh) {
-          const T* x = tp + (si * b * h + bh) * d;
-          T* y = op + (si * b * h + bh) * d;
-          for (int64_t p = 0; p < pairs; ++p) {
-            const int64_t i0 = interleaved ? 2 * p : p;
-            const int64_t i1 = interleaved ? 2 * p + 1 : p + half;
-            const A x0 = static_cast<A>(x[i0]), x1 = static_cast<A>(x[i1]);
-            if (backward) {
-              y[i0] = static_cast<T>(x0 * cs[i0] + x1 * sn[i1]);
-              y[i1] = static_cast<T>(x1 * cs[i1] - x0 * sn[i0]);
-            } else {
-              y[i0] = static_cast<T>(x0 * cs[i0] - x1 * sn[i0]);
-              y[i1] = static_cast<T>(x1 * cs[i1] + x0 * sn[i1]);
-            }
+    auto rotate = [&](auto interleaved_tag, auto backward_tag) {
+      constexpr bool kInterleaved = decltype(interleaved_tag)::value;
+      constexpr bool kBackward = decltype(backward_tag)::value;
+      at::parallel_for(0, s, 1, [&](int64_t sb, int64_t se) {
+        std::vector<A> cs(rot), sn(rot), x_buf(std::is_same_v<T, A> ? 0 : slab), y_buf(x_buf.size());
+        for (int64_t si = sb; si < se; ++si) {
+          const A* f = fp + (broadcast_s ? 0 : si * rot);
+          for (int64_t p = 0; p < rot / 2; ++p) {
+            // megatron repeats each angle within its pair: one cos/sin per pair then (libm dominates otherwise)
+            const int64_t i0 = kInterleaved ? 2 * p : p;
+            const int64_t i1 = kInterleaved ? 2 * p + 1 : p + rot / 2;
+            cs[i0] = std::cos(f[i0]);
+            sn[i0] = std::sin(f[i0]);
+            const bool same = f[i1] == f[i0];
+            cs[i1] = same ? cs[i0] : std::cos(f[i1]);
+            sn[i1] = same ? sn[i0] : std::sin(f[i1]);
           }
-          for (int64_t k = rot; k < d; ++k) y[k] = x[k];
+          const A* x_slab = widen<T, A>(tp + si * slab, x_buf.data(), slab);
+          A* y_slab = output_buffer<T, A>(op + si * slab, y_buf.data());
+          for (int64_t bh = 0; bh < b * h; ++bh) {
+            rope_row<kInterleaved, kBackward, A>(x_slab + bh * d, y_slab + bh * d, cs.data(), sn.data(), rot, d);
+          }
+          narrow_into<T, A>(y_slab, op + si * slab, slab);
         }
-      }
-    });
+      });
+    };
+    using yes = std::true_type;
+    using no = std::false_type;
+    if (interleaved) {
+      backward ? rotate(yes{}, yes{}) : rotate(yes{}, no{});
+    } else {
+      backward ? rotate(no{}, yes{}) : rotate(no{}, no{});
+    }
   });
   return out;
 }
