@@ -23,8 +23,10 @@ def init_single_rank():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from mm_adaptor.launcher import free_port
+
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
 
@@ -55,20 +57,15 @@ def build(args, dtype):
 
 
 def saved_bytes(fn, module) -> int:
-    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    total = 0
+    from mm_adaptor.memory import SavedTensorAccountant
 
-    def pack(t):
-        nonlocal total
-        if t.untyped_storage().data_ptr() not in weights:
-            total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    accountant = SavedTensorAccountant([module])  # no decoder layers: everything lands outside them
+    with accountant.hooks():
         out = fn()
+    total = accountant.bytes_per_layer().get(SavedTensorAccountant.OUTSIDE, 0)
     del out
+    accountant.close()
     return total
-
 
 
 def main(argv=None):

@@ -22,9 +22,9 @@ class FusedSwiGLU(Feature):
         from mm_adaptor.patches.transformer import fused_ops
         from mm_adaptor.patching import Contract, PatchSet
 
+        contract = Contract(versions=MEGATRON_CORE_016)
         ps = PatchSet(self.name)
-        ps.wrap("megatron.core.transformer.mlp.MLP.forward", fused_ops.mlp_forward_with_fused_swiglu,
-                contract=Contract(versions=MEGATRON_CORE_016))
-        ps.wrap("megatron.core.transformer.moe.experts.GroupedMLP.__init__",
-                fused_ops.grouped_mlp_init_with_fused_swiglu, contract=Contract(versions=MEGATRON_CORE_016))
+        ps.wrap("megatron.core.transformer.mlp.MLP.forward", fused_ops.mlp_forward_with_fused_swiglu, contract=contract)
+        ps.wrap("megatron.core.transformer.moe.experts.GroupedMLP.__init__", fused_ops.grouped_mlp_init_with_fused_swiglu,
+                contract=contract)
         return [ps]

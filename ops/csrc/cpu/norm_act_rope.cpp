@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -271,14 +272,19 @@ at::Tensor swiglu_bwd(const at::Tensor& dy_in, const at::Tensor& x_in) {
 // t: [s, b, h, d]; freqs: [s or 1, 1, 1, rot] angles. The first `rot` channels rotate in pairs
 // (k, k + rot/2) for rotate-half or (2j, 2j + 1) for interleaved; the rest pass through.
 // Forward per pair: y0 = x0 c0 - x1 s0, y1 = x1 c1 + x0 s1. Backward (its transpose):
-// dx0 = g0 c0 + g1 s1, dx1 = g1 c1 - g0 s0. One head per call.
+// dx0 = g0 c0 + g1 s1, dx1 = g1 c1 - g0 s0.
+template <bool kInterleaved>
+inline std::pair<int64_t, int64_t> rope_pair(int64_t p, int64_t pairs) {
+  return kInterleaved ? std::pair<int64_t, int64_t>{2 * p, 2 * p + 1} : std::pair<int64_t, int64_t>{p, p + pairs};
+}
+
+// One head.
 template <bool kInterleaved, bool kBackward, typename A>
 inline void rope_row(const A* __restrict__ x, A* __restrict__ y, const A* __restrict__ cs, const A* __restrict__ sn,
                      int64_t rot, int64_t d) {
   const int64_t pairs = rot / 2;
   for (int64_t p = 0; p < pairs; ++p) {
-    const int64_t i0 = kInterleaved ? 2 * p : p;
-    const int64_t i1 = kInterleaved ? 2 * p + 1 : p + pairs;
+    const auto [i0, i1] = rope_pair<kInterleaved>(p, pairs);
     const A x0 = x[i0], x1 = x[i1];
     if constexpr (kBackward) {
       y[i0] = x0 * cs[i0] + x1 * sn[i1];
@@ -318,8 +324,7 @@ at::Tensor rope_apply(const at::Tensor& t_in, const at::Tensor& freqs_in, bool i
           const A* f = fp + (broadcast_s ? 0 : si * rot);
           for (int64_t p = 0; p < rot / 2; ++p) {
             // megatron repeats each angle within its pair: one cos/sin per pair then (libm dominates otherwise)
-            const int64_t i0 = kInterleaved ? 2 * p : p;
-            const int64_t i1 = kInterleaved ? 2 * p + 1 : p + rot / 2;
+            const auto [i0, i1] = rope_pair<kInterleaved>(p, rot / 2);
             cs[i0] = std::cos(f[i0]);
             sn[i0] = std::sin(f[i0]);
             const bool same = f[i1] == f[i0];
