@@ -1,7 +1,6 @@
 """--use-fused-gmm: --moe-grouped-gemm runs on the native grouped_matmul, without Transformer Engine or grouped_gemm."""
 
-from mm_adaptor.features import MEGATRON_CORE_016, Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register
-from mm_adaptor.feature_flags.fused_rmsnorm import require_local_spec
+from mm_adaptor.features import Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register, require_local_spec
 
 GROUPED_GEMM_UTIL = "megatron.core.transformer.moe.grouped_gemm_util"
 
@@ -34,9 +33,9 @@ class FusedGroupedMatmul(Feature):
 
     def patch_sets(self, options):
         from mm_adaptor.patches.transformer import moe_grouped_gemm as native
-        from mm_adaptor.patching import Contract, PatchSet
+        from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
-        contract = Contract(versions=MEGATRON_CORE_016)
+        contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
         ps = PatchSet(self.name)
         ps.replace(f"{GROUPED_GEMM_UTIL}.grouped_gemm_is_available", native.grouped_gemm_is_available,
                    contract=contract)

@@ -1,13 +1,7 @@
 """--use-fused-rmsnorm: the local spec's RMSNorm modules run the native rms_norm kernel."""
 
-from mm_adaptor.features import Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register, wrap_one
-
-
-def require_local_spec(feature: Feature, options) -> None:
-    impl = getattr(options, "transformer_impl", "local")
-    if impl != "local":
-        raise FeatureConfigError(f"{feature.main_flag.option} patches megatron's local layer spec; it needs "
-                                 f"--transformer-impl local (got {impl}) — Transformer Engine has its own fused kernels")
+from mm_adaptor.features import (Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register, require_local_spec,
+                                  wrap_one)
 
 
 @register

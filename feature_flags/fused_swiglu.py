@@ -1,7 +1,6 @@
 """--use-fused-swiglu: the MLP's SwiGLU activation runs the native swiglu kernel."""
 
-from mm_adaptor.features import MEGATRON_CORE_016, Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register
-from mm_adaptor.feature_flags.fused_rmsnorm import require_local_spec
+from mm_adaptor.features import Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register, require_local_spec
 
 
 @register
@@ -20,9 +19,9 @@ class FusedSwiGLU(Feature):
 
     def patch_sets(self, options):
         from mm_adaptor.patches.transformer import fused_ops
-        from mm_adaptor.patching import Contract, PatchSet
+        from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
-        contract = Contract(versions=MEGATRON_CORE_016)
+        contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
         ps = PatchSet(self.name)
         ps.wrap("megatron.core.transformer.mlp.MLP.forward", fused_ops.mlp_forward_with_fused_swiglu, contract=contract)
         ps.wrap("megatron.core.transformer.moe.experts.GroupedMLP.__init__", fused_ops.grouped_mlp_init_with_fused_swiglu,

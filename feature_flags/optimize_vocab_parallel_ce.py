@@ -1,7 +1,7 @@
 """--optimize-vocab-parallel-ce: masked writes in the vocab-parallel cross-entropy become multiplies."""
 
 from mm_adaptor.features import Feature, Flag, Tolerance, register
-from mm_adaptor.patching import Contract, PatchSet
+from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
 TARGET = "megatron.core.tensor_parallel.cross_entropy.VocabParallelCrossEntropy.calculate_predicted_logits"
 
@@ -19,5 +19,5 @@ class OptimizeVocabParallelCE(Feature):
 
         ps = PatchSet(self.name)
         ps.replace(TARGET, staticmethod(calculate_predicted_logits_by_mask_multiply),
-                   contract=Contract(versions=">=0.16.0,<0.17", fingerprint="b41b9f2f82d6dcc6"))
+                   contract=Contract(versions=SUPPORTED_MEGATRON_CORE, fingerprint="b41b9f2f82d6dcc6"))
         return [ps]

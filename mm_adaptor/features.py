@@ -9,7 +9,7 @@ import pkgutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from mm_adaptor.patching import PatchSet
+from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, PatchSet
 
 
 class FeatureConfigError(ValueError):
@@ -78,7 +78,6 @@ class Tolerance:
 
 
 BIT_FOR_BIT = Tolerance(exact=True, why="the math is unchanged")
-MEGATRON_CORE_016 = ">=0.16.0,<0.17"
 
 
 def fused_kernel_tolerance(what_differs: str) -> Tolerance:
@@ -88,7 +87,7 @@ def fused_kernel_tolerance(what_differs: str) -> Tolerance:
                          "differences up to lr per step on near-zero gradients; bf16: one bf16 ulp")
 
 
-def wrap_one(feature_name: str, target: str, wrapper, versions: str = MEGATRON_CORE_016) -> list[PatchSet]:
+def wrap_one(feature_name: str, target: str, wrapper, versions: str = SUPPORTED_MEGATRON_CORE) -> list[PatchSet]:
     """The patch sets of a feature that wraps a single megatron function."""
     from mm_adaptor.patching import Contract
 
@@ -134,6 +133,13 @@ class Feature:
 
     def options_of(self, options) -> dict[str, Any]:
         return {flag.dest: getattr(options, flag.dest, flag.default_value()) for flag in self.flags}
+
+
+def require_local_spec(feature: Feature, options) -> None:
+    impl = getattr(options, "transformer_impl", "local")
+    if impl != "local":
+        raise FeatureConfigError(f"{feature.main_flag.option} patches megatron's local layer spec; it needs "
+                                 f"--transformer-impl local (got {impl}) — Transformer Engine has its own fused kernels")
 
 
 # Comma-separated modules that register features of their own (plugins, or test variants).

@@ -7,9 +7,8 @@ import sys
 import wrapt
 
 from mm_adaptor import features
-from mm_adaptor.patching import Contract, PatchSet
+from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
-MEGATRON_016 = ">=0.16.0,<0.17"
 _hooks_registered = False
 _argument_patches: list[PatchSet] = []
 _ABSENT = object()
@@ -75,7 +74,7 @@ def _enable_after_validation(wrapped, instance, args, kwargs):
 
 def _arguments_patch_set() -> PatchSet:
     ps = PatchSet("megatron-lm:arguments")
-    contract = Contract(versions=MEGATRON_016)
+    contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
     ps.wrap("megatron.training.arguments.add_megatron_arguments", _add_feature_arguments, contract=contract)
     ps.wrap("megatron.training.arguments.validate_args", _enable_after_validation, contract=contract)
     return ps
@@ -84,7 +83,7 @@ def _arguments_patch_set() -> PatchSet:
 def _yaml_patch_set() -> PatchSet:
     ps = PatchSet("megatron-lm:yaml-arguments")
     ps.wrap("megatron.training.yaml_arguments.validate_yaml", _enable_after_validation,
-            contract=Contract(versions=MEGATRON_016))
+            contract=Contract(versions=SUPPORTED_MEGATRON_CORE))
     return ps
 
 

@@ -22,6 +22,8 @@ import wrapt
 from packaging.specifiers import SpecifierSet
 
 ALLOW_MISMATCH_ENV = "MM_ADAPTOR_ALLOW_CONTRACT_MISMATCH"
+# The megatron-core releases every patch is written for (pyproject.toml's dependency says the same; a test checks).
+SUPPORTED_MEGATRON_CORE = ">=0.16.0,<0.17"
 MODES = ("replace", "wrap")
 _MISSING = object()
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from mm_adaptor.patching import Contract, PatchSet
+from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
-MEGATRON_CORE_016 = ">=0.16.0,<0.17"
 
 
 def _te_min_version_false_without_te(wrapped, instance, args, kwargs):
@@ -101,7 +100,7 @@ def sequence_parallel_norm_patches() -> PatchSet:
     """The local spec's torch norm (used without Apex/TE) refuses sequence parallelism; this lifts that."""
     ps = PatchSet("compat:sequence-parallel-torch-norm")
     ps.wrap("megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__", _sequence_parallel_torch_norm,
-            contract=Contract(versions=MEGATRON_CORE_016))
+            contract=Contract(versions=SUPPORTED_MEGATRON_CORE))
     return ps
 
 
@@ -118,7 +117,7 @@ def gradient_accumulation_fusion_patches() -> PatchSet:
     import importlib
 
     wgrad = importlib.import_module("mm_adaptor.ops.wgrad")
-    core = Contract(versions=MEGATRON_CORE_016)
+    core = Contract(versions=SUPPORTED_MEGATRON_CORE)
     ps.provide_module("fused_weight_gradient_mlp_cuda", wgrad)
     ps.replace("megatron.core.tensor_parallel.layers._grad_accum_fusion_available", True, contract=core)
     ps.replace("megatron.core.tensor_parallel.layers.fused_weight_gradient_mlp_cuda", wgrad, contract=core,
@@ -135,7 +134,7 @@ def no_transformer_engine_patches() -> PatchSet:
         return ps
     except Exception:
         pass
-    core = Contract(versions=MEGATRON_CORE_016)
+    core = Contract(versions=SUPPORTED_MEGATRON_CORE)
     ps.wrap("megatron.core.utils.is_te_min_version", _te_min_version_false_without_te, contract=core)
     ps.replace("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu",
                _move_split_sizes_to_host, contract=core)

@@ -23,9 +23,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from mm_adaptor.devices.base import DeviceBackend
-from mm_adaptor.patching import Contract, PatchSet
+from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
-MEGATRON_CORE_016 = ">=0.16.0,<0.17"
 CPU = torch.device("cpu")
 
 
@@ -342,12 +341,12 @@ def _megatron_core_patches() -> PatchSet:
     ps.replace(
         "megatron.core.tensor_parallel.random._get_cuda_rng_state",
         _megatron_get_cuda_rng_state,
-        contract=Contract(versions=MEGATRON_CORE_016),
+        contract=Contract(versions=SUPPORTED_MEGATRON_CORE),
     )
     ps.replace(
         "megatron.core.tensor_parallel.random._set_cuda_rng_state",
         _megatron_set_cuda_rng_state,
-        contract=Contract(versions=MEGATRON_CORE_016),
+        contract=Contract(versions=SUPPORTED_MEGATRON_CORE),
     )
     return ps
 
@@ -369,7 +368,7 @@ class CpuBackend(DeviceBackend):
 
     def training_patch_sets(self):
         ps = PatchSet("device:cpu:megatron-training")
-        contract = Contract(versions=MEGATRON_CORE_016)
+        contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
         ps.wrap("megatron.training.initialize.initialize_megatron", _allow_no_cuda, contract=contract)
         # Megatron-LM's legacy fused CUDA kernels (built with nvcc at start-up) cannot run on the CPU.
         ps.replace("megatron.legacy.fused_kernels.load", _skip_cuda_kernel_build, contract=contract)

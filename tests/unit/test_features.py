@@ -148,3 +148,13 @@ def test_flag_taken_by_two_features_is_refused(demo_features):
 
     with pytest.raises(TypeError, match="already belongs to 'test-doubler'"):
         register(Thief)
+
+
+def test_one_supported_megatron_core_range_matches_the_package_dependency():
+    import pathlib
+    import tomllib
+
+    from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE
+
+    project = tomllib.loads((pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    assert f"megatron-core{SUPPORTED_MEGATRON_CORE}" in project["dependencies"]
