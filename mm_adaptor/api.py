@@ -42,7 +42,7 @@ def enable(args=None, /, *, device: str | None = None, **keywords) -> dict[str, 
     """
     with _lock:
         options = _as_options(args, keywords)
-        wanted = features.enabled_features(options)
+        wanted = features.serving(options, features.enabled_features(options))
         if _applied:
             same = [(a.feature.name, a.options) for a in _applied] == [
                 (f.name, f.options_of(options)) for f in wanted
@@ -79,10 +79,21 @@ def _revert_records(records: list[AppliedFeature]) -> None:
         record.patch_sets.clear()
 
 
-def applied() -> dict[str, list[str]]:
-    """Active features and the dotted targets each one patched."""
+def applied_features() -> dict[str, list[str]]:
+    """Active features and the dotted targets each one patched (no device backend entry)."""
     with _lock:
         return {record.feature.name: record.targets() for record in _applied}
+
+
+def applied() -> dict[str, list[str]]:
+    """Everything patched now: applied_features(), then the installed device backend's device and
+    compatibility patches under 'backend:<name>'."""
+    with _lock:
+        active = applied_features()
+        backend = devices.current()
+        if backend is not None:
+            active[f"backend:{backend.name}"] = backend.applied_targets()
+        return active
 
 
 def disable(*, keep_device: bool = False) -> None:

@@ -57,18 +57,31 @@ def _validate_with_overrides(wrapped, args, kwargs, megatron_args):
         _assign(megatron_args, users)
 
 
+def _check_distributed_backend(megatron_args) -> None:
+    from mm_adaptor import devices
+
+    backend = devices.current() or devices.install()
+    requested = getattr(megatron_args, "distributed_backend", None)
+    if requested is not None:
+        default = " (Megatron-LM's default)" if requested == "nccl" else ""
+        backend.check_distributed_backend(requested, asked_by=f"--distributed-backend {requested}{default}",
+                                          how_to_choose_cpu="pass --distributed-backend gloo")
+
+
 def _enable_after_validation(wrapped, instance, args, kwargs):
     megatron_args = args[0] if args else kwargs.get("args")
     result = _validate_with_overrides(wrapped, args, kwargs, megatron_args)
     from mm_adaptor import __version__, devices
-    from mm_adaptor.api import enable
+    from mm_adaptor.api import applied_features, enable
 
-    active = enable(megatron_args)
+    _check_distributed_backend(megatron_args)
+    enable(megatron_args)
     if getattr(megatron_args, "rank", 0) == 0:
         backend = devices.current()
-        listed = "; ".join(f"{name} ({len(targets)} patches)" for name, targets in active.items()) or "none"
-        print(f"> mm_adaptor {__version__}: device backend {backend.name if backend else '?'}; "
-              f"features applied: {listed}", flush=True)
+        listed = "; ".join(f"{name} ({len(targets)} patches)" for name, targets in applied_features().items())
+        compat = f" ({len(backend.applied_targets())} patches)" if backend else ""
+        print(f"> mm_adaptor {__version__}: device backend {backend.name if backend else '?'}{compat}; "
+              f"features applied: {listed or 'none'}", flush=True)
     return result
 
 

@@ -2,7 +2,8 @@
 
 A Patch says explicitly whether it replaces or wraps its target, carries a Contract (supported
 versions + fingerprint of the original), rebinds by-value copies of the original in other
-imported modules, and reverts all of it exactly.
+imported modules, and reverts all of it exactly, including copies of the patched object that
+modules imported while the patch was active made.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any, Callable, Iterable, Iterator
 import wrapt
 from packaging.specifiers import SpecifierSet
 
+from mm_adaptor.errors import ConfigurationError
+
 ALLOW_MISMATCH_ENV = "MM_ADAPTOR_ALLOW_CONTRACT_MISMATCH"
 # The megatron-core releases every patch is written for (pyproject.toml's dependency says the same; a test checks).
 SUPPORTED_MEGATRON_CORE = ">=0.16.0,<0.17"
@@ -32,7 +35,7 @@ class PatchError(RuntimeError):
     pass
 
 
-class PatchContractError(PatchError):
+class PatchContractError(PatchError, ConfigurationError):
     pass
 
 
@@ -147,6 +150,35 @@ def active_patches() -> list["Patch"]:
     return list(_ACTIVE)
 
 
+def _holders(prefixes: tuple[str, ...], objects: list) -> dict[int, list[tuple[str, Any, str]]]:
+    """id(obj) -> (module name, module, attribute) for every module under `prefixes` holding obj: one pass over
+    sys.modules for any number of objects (it holds thousands of modules)."""
+    found: dict[int, list[tuple[str, Any, str]]] = {id(obj): [] for obj in objects}
+    for mod_name, module in list(sys.modules.items()):
+        if module is None or not mod_name.startswith(prefixes):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            holders = found.get(id(value))
+            if holders is not None:
+                holders.append((mod_name, module, attr))
+    return found
+
+
+def _installed_holders(patches: list) -> dict["Patch", list[tuple[Any, str]]] | None:
+    """For each patch, the modules holding its installed object, from one scan; None when two patches share a
+    target (reverting one changes what the other must find: each scans for itself then)."""
+    following = [p for p in patches if isinstance(p, Patch) and p._follows_installed_copies()]
+    if len({p.target for p in following}) != len(following):
+        return None
+    prefixes = tuple({prefix for p in following for prefix in p._prefixes(p._owner)})
+    found = _holders(prefixes, [p._installed for p in following]) if following else {}
+    return {p: [(module, attr) for name, module, attr in found[id(p._installed)]
+                if module is not p._owner and name.startswith(p._prefixes(p._owner))] for p in following}
+
+
 class Patch:
     """Replace or wrap one dotted target. `new` is the replacement, or a wrapt wrapper(wrapped, instance, args, kwargs)."""
 
@@ -241,21 +273,45 @@ class Patch:
         self._applied = True
         _ACTIVE.append(self)
 
-    def _rebind_copies(self, owner, original, installed) -> None:
+    def _prefixes(self, owner) -> tuple[str, ...]:
         root = getattr(owner, "__name__", "").split(".")[0]
-        prefixes = tuple({*self.rebind_prefixes, root} - {""})
-        for mod_name, module in list(sys.modules.items()):
-            if module is None or module is owner or not mod_name.startswith(prefixes):
-                continue
-            namespace = getattr(module, "__dict__", None)
-            if not isinstance(namespace, dict):
-                continue
-            for attr, value in list(namespace.items()):
-                if value is original:
-                    setattr(module, attr, installed)
-                    self._copies.append((module, attr))
+        return tuple({*self.rebind_prefixes, root} - {""})
 
-    def revert(self) -> None:
+    def _holders_of(self, owner, obj) -> list[tuple[Any, str]]:
+        """(module, attribute) for every module under the rebind prefixes (owner excluded) holding obj."""
+        return [(module, attr) for name, module, attr in _holders(self._prefixes(owner), [obj])[id(obj)]
+                if module is not owner]
+
+    def _rebind_copies(self, owner, original, installed) -> None:
+        for module, attr in self._holders_of(owner, original):
+            setattr(module, attr, installed)
+            self._copies.append((module, attr))
+
+    def _follows_installed_copies(self) -> bool:
+        return self.applied and not isinstance(self._owner, type) and _has_identity(self._installed)
+
+    def _restore_copies(self, installed_holders: list[tuple[Any, str]] | None) -> None:
+        """Copies rebound at apply time, and copies of the installed object that modules imported since
+        made (`from x import f` while the patch was active), go back to the original (or away, if the
+        patch created the target)."""
+        copies = list(self._copies)
+        if self._follows_installed_copies():
+            if installed_holders is None:
+                installed_holders = self._holders_of(self._owner, self._installed)
+            # An object installed on several targets (one class for two names): only same-named copies are ours.
+            shared = any(p is not self and getattr(p, "_installed", None) is self._installed for p in _ACTIVE)
+            copies += [c for c in installed_holders if c not in copies and (not shared or c[1] == self._name)]
+        for module, attr in copies:
+            if module.__dict__.get(attr) is not self._installed:
+                continue  # rebound by someone else since: theirs now
+            if self._original is _MISSING:
+                delattr(module, attr)
+            else:
+                setattr(module, attr, self._original)
+
+    def revert(self, *, installed_holders: list[tuple[Any, str]] | None = None) -> None:
+        """`installed_holders`: the modules holding the installed object, when the caller scanned for them
+        already (PatchSet scans once for all its patches)."""
         if not self.applied:
             raise PatchError(f"{self!r} is not applied")
         owner, name = self._owner, self._name
@@ -269,9 +325,7 @@ class Patch:
             setattr(owner, name, self._original)
         else:
             delattr(owner, name)
-        for module, attr in self._copies:
-            if module.__dict__.get(attr) is self._installed:
-                setattr(module, attr, self._original)
+        self._restore_copies(installed_holders)
         self._copies = []
         self._applied = False
         self._installed = None
@@ -308,11 +362,16 @@ class ModulePatch:
 
 
 class PatchSet:
-    """Ordered patches applied all-or-nothing and reverted in reverse order."""
+    """Ordered patches applied all-or-nothing and reverted in reverse order.
 
-    def __init__(self, name: str, patches: Iterable[Patch] = ()):
+    A compatibility set (no feature flag) also says what it changes, what unpatched megatron does
+    without it, where it is needed, and, when it has nothing to patch here, why (`mm-adaptor report`)."""
+
+    def __init__(self, name: str, patches: Iterable[Patch] = (), *, changes: str = "", unpatched: str = "",
+                 needed_on: str = "", not_needed: str = ""):
         self.name = name
         self._patches: list[Patch] = list(patches)
+        self.changes, self.unpatched, self.needed_on, self.not_needed = changes, unpatched, needed_on, not_needed
 
     def add(self, patch: "Patch | ModulePatch") -> "Patch | ModulePatch":
         self._patches.append(patch)
@@ -342,9 +401,13 @@ class PatchSet:
             raise
 
     def revert(self) -> None:
+        holders = _installed_holders(self._patches) or {}
         for patch in reversed(self._patches):
             if patch.applied:
-                patch.revert()
+                if patch in holders:
+                    patch.revert(installed_holders=holders[patch])
+                else:
+                    patch.revert()
 
     @property
     def applied(self) -> bool:

@@ -1,11 +1,33 @@
-"""Fixes megatron-core 0.16 needs to run at all without Transformer Engine (any device)."""
+"""Fixes megatron-core 0.16 needs without Transformer Engine / Apex, on every device.
+
+Each set fixes a configuration that unpatched megatron refuses or crashes on (its `unpatched` text says how);
+none changes what a configuration that runs unpatched computes. Device-specific fixes live in the device
+backends (mm_adaptor/devices/). `mm-adaptor report` prints each set; `mm_adaptor.applied()` lists their
+targets under `backend:<name>`.
+"""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet, fingerprint
 
+WITHOUT_TE = "every device, when Transformer Engine is not installed"
+
+
+@functools.lru_cache(maxsize=None)
+def _transformer_engine_importable() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _core() -> Contract:
+    return Contract(versions=SUPPORTED_MEGATRON_CORE)
 
 
 def _te_min_version_false_without_te(wrapped, instance, args, kwargs):
@@ -19,16 +41,6 @@ def _te_min_version_false_without_te(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-def _move_split_sizes_to_host(tensor, as_numpy=False, record_stream=False):
-    """megatron's version converts only CUDA tensors; host tensors must honour as_numpy too."""
-    if torch.is_tensor(tensor):
-        if tensor.device.type != "cpu":
-            tensor = tensor.to(torch.device("cpu"), non_blocking=True)
-        if as_numpy:
-            tensor = tensor.numpy()
-    return tensor
-
-
 def _softmax_kernel_unavailable_without_extension(wrapped, instance, args, kwargs):
     try:
         return wrapped(*args, **kwargs)
@@ -36,24 +48,36 @@ def _softmax_kernel_unavailable_without_extension(wrapped, instance, args, kwarg
         return False
 
 
-def _sequence_parallel_torch_norm(wrapped, instance, args, kwargs):
-    """Build the torch norm under sequence parallelism and mark its weights sequence-parallel.
+def _torch_norm_lifting_apex_only_switches(wrapped, instance, args, kwargs):
+    """Build the torch norm with persist_layer_norm and under sequence parallelism.
 
-    A norm is per token, so it runs unchanged on sequence shards; its weight gradients are partial
-    sums per TP rank, and megatron all-reduces the grads of parameters marked `sequence_parallel`
-    across the TP group (exactly what it does for Transformer Engine's norms).
+    persist_layer_norm only selects Apex's persistent LayerNorm kernel (same math), so the torch norm
+    ignores it. A norm is per token, so it runs unchanged on sequence shards; its weight gradients are
+    partial sums per TP rank, and megatron all-reduces the grads of parameters marked
+    `sequence_parallel` across the TP group (exactly what it does for Transformer Engine's norms).
     """
     config = args[1] if len(args) > 1 else kwargs["config"]
-    if not config.sequence_parallel:
+    sequence_parallel, persist = config.sequence_parallel, config.persist_layer_norm
+    if not sequence_parallel and not persist:
         return wrapped(*args, **kwargs)
-    config.sequence_parallel = False
+    config.sequence_parallel, config.persist_layer_norm = False, False
     try:
         norm = wrapped(*args, **kwargs)
     finally:
-        config.sequence_parallel = True
-    for param in norm.parameters():
-        param.sequence_parallel = True
+        config.sequence_parallel, config.persist_layer_norm = sequence_parallel, persist
+    if sequence_parallel:
+        for param in norm.parameters():
+            param.sequence_parallel = True
     return norm
+
+
+def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
+                               interleaved: bool = False) -> torch.Tensor:
+    """megatron's TE-backed fused RoPE for [s, b, h, d] (same signature), on the native mm_adaptor::rotary_pos_emb.
+    transpose_output_memory is a memory-layout hint that TE ignores too."""
+    from mm_adaptor import ops
+
+    return ops.rotary_pos_emb(t, freqs, interleaved)
 
 
 def _dist_optimizer_state_dict_before_first_step(wrapped, instance, args, kwargs):
@@ -75,8 +99,9 @@ def _dist_optimizer_state_dict_before_first_step(wrapped, instance, args, kwargs
 
 
 def _restore_adam_step_after_load(wrapped, instance, args, kwargs):
-    """With torch's own Adam, the per-parameter `step` ends up 0 after megatron's dp_reshardable load
-    (the checkpoint's step lives in the param groups); Adam's bias correction needs the real step."""
+    """With torch's own Adam, megatron's dp_reshardable load copies the loading template's per-parameter
+    `step` (0 for a fresh optimizer) over the checkpoint's; the checkpoint's step is in the param groups,
+    and Adam's bias correction needs it."""
     from megatron.core.optimizer import distrib_optimizer
 
     result = wrapped(*args, **kwargs)
@@ -96,57 +121,133 @@ def _without_autograd(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
 
 
-def sequence_parallel_norm_patches() -> PatchSet:
-    """The local spec's torch norm (used without Apex/TE) refuses sequence parallelism; this lifts that."""
-    ps = PatchSet("compat:sequence-parallel-torch-norm")
-    ps.wrap("megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__", _sequence_parallel_torch_norm,
-            contract=Contract(versions=SUPPORTED_MEGATRON_CORE))
+def te_version_query_patches() -> PatchSet:
+    ps = PatchSet(
+        "compat:te-version-query", needed_on=WITHOUT_TE,
+        changes="is_te_min_version answers False when Transformer Engine is not installed, so megatron's own "
+                "'needs Transformer Engine >= x' checks speak (or its pre-TE branch runs)",
+        unpatched="raises TypeError ('>=' not supported between instances of 'NoneType' and 'Version'); megatron asks "
+                  "only on TE-only paths (fp8/fp4, precision-aware optimizer, TE op fuser, CUDA graphs, --qk-clip, "
+                  "--rotary-interleaved with rope fusion, ...): dense and MoE local-spec runs never reach it")
+    if _transformer_engine_importable():
+        ps.not_needed = "Transformer Engine is installed"
+        return ps
+    ps.wrap("megatron.core.utils.is_te_min_version", _te_min_version_false_without_te, contract=_core())
+    return ps
+
+
+def moe_router_without_te_patches() -> PatchSet:
+    ps = PatchSet(
+        "compat:moe-router-without-te", needed_on=WITHOUT_TE,
+        changes="defines moe_utils.te_general_gemm = None, so the MoE router's gating GEMM takes megatron's torch path",
+        unpatched="every MoE router forward raises NameError: name 'te_general_gemm' is not defined "
+                  "(moe_utils.RouterGatingLinearFunction reads a name megatron defines only when TE imports)")
+    if _transformer_engine_importable():
+        ps.not_needed = "Transformer Engine is installed"
+        return ps
+    ps.replace("megatron.core.transformer.moe.moe_utils.te_general_gemm", None, contract=_core(), create=True)
+    return ps
+
+
+def fused_softmax_availability_patches() -> PatchSet:
+    ps = PatchSet(
+        "compat:fused-softmax-availability", needed_on=WITHOUT_TE,
+        changes="FusedScaleMaskSoftmax.is_kernel_available answers False when the CUDA softmax extension "
+                "(scaled_masked_softmax_cuda) cannot be imported, so megatron's torch softmax runs",
+        unpatched="with --masked-softmax-fusion (Megatron-LM's default) and bf16/fp16 attention scores of a "
+                  "kernel-eligible shape, raises ModuleNotFoundError: No module named 'scaled_masked_softmax_cuda'")
+    if _transformer_engine_importable():
+        ps.not_needed = "Transformer Engine is installed"
+        return ps
+    ps.wrap("megatron.core.fusions.fused_softmax.FusedScaleMaskSoftmax.is_kernel_available",
+            _softmax_kernel_unavailable_without_extension, contract=_core())
+    return ps
+
+
+def torch_adam_distributed_checkpoint_patches() -> PatchSet:
+    ps = PatchSet(
+        "compat:torch-adam-distributed-checkpoint", needed_on=WITHOUT_TE + " (the wrappers act only without Apex too)",
+        changes="DistributedOptimizer with torch's Adam: state_dict() before the first step reports step 0; "
+                "load_parameter_state_from_dp_reshardable runs under no_grad; after load_state_dict each "
+                "parameter's Adam step is the checkpoint's (param-group) step",
+        unpatched="--load of a --use-distributed-optimizer checkpoint into a fresh optimizer raises AssertionError "
+                  "(distrib_optimizer.py: assert len(steps) == 1, no step yet); in fp32 the dp_reshardable load then "
+                  "raises RuntimeError (in-place copy into a view of a leaf that requires grad); and a dp_reshardable "
+                  "load leaves Adam's step at the loading template's value instead of the checkpoint's")
+    if _transformer_engine_importable():
+        ps.not_needed = "Transformer Engine is installed (its FusedAdam keeps step in the param groups)"
+        return ps
+    base = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
+    ps.wrap(f"{base}.state_dict", _dist_optimizer_state_dict_before_first_step, contract=_core())
+    # In fp32 the main params are views of the model params; megatron copies into them with autograd on.
+    ps.wrap(f"{base}.load_parameter_state_from_dp_reshardable", _without_autograd, contract=_core())
+    ps.wrap(f"{base}.load_state_dict", _restore_adam_step_after_load, contract=_core())
+    return ps
+
+
+def torch_norm_patches() -> PatchSet:
+    """The local spec's torch norm (used without Apex, and always for RMSNorm) refuses sequence parallelism and
+    persist_layer_norm; this lifts both."""
+    ps = PatchSet(
+        "compat:torch-norm", needed_on="every device (the local spec uses the torch norm without Apex, and for "
+                                       "RMSNorm always)",
+        changes="WrappedTorchNorm builds under --sequence-parallel (its weights marked sequence_parallel, so megatron "
+                "all-reduces their grads across the TP group as it does for TE's norms) and with persist_layer_norm "
+                "(which only selects Apex's persistent LayerNorm kernel, same math)",
+        unpatched="raises AssertionError: persist_layer_norm not supported by torch LayerNorm (Megatron-LM's default; "
+                  "--no-persist-layer-norm avoids it), or: sequence parallel not supported by torch LayerNorm")
+    ps.wrap("megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__", _torch_norm_lifting_apex_only_switches,
+            contract=_core())
+    return ps
+
+
+def rope_fusion_patches() -> PatchSet:
+    ps = PatchSet(
+        "compat:rope-fusion", needed_on=WITHOUT_TE,
+        changes="defines rope_utils.fused_apply_rotary_pos_emb (None without TE) on the native "
+                "mm_adaptor::rotary_pos_emb, so Megatron-LM's default rope fusion runs for [s, b, h, d] (packed "
+                "sequences still need --no-rope-fusion, as without TE unpatched)",
+        unpatched="TransformerConfig raises ValueError: apply_rope_fusion is not available. Please install TE >= 1.4. "
+                  "(--no-rope-fusion avoids it)")
+    if _transformer_engine_importable():
+        ps.not_needed = "Transformer Engine is installed (megatron uses TE's fused RoPE)"
+        return ps
+    # The contract's fingerprint is None's: an existing kernel is never replaced.
+    ps.replace("megatron.core.models.common.embeddings.rope_utils.fused_apply_rotary_pos_emb",
+               fused_apply_rotary_pos_emb, contract=Contract(versions=SUPPORTED_MEGATRON_CORE,
+                                                             fingerprint=fingerprint(None)), create=True)
     return ps
 
 
 def gradient_accumulation_fusion_patches() -> PatchSet:
     """Megatron's gradient-accumulation fusion without Apex: `fused_weight_gradient_mlp_cuda` is provided by the
     native matmul_add_fp32 (mm_adaptor.ops.wgrad). Megatron's flag keeps its meaning: off runs the plain path."""
-    ps = PatchSet("compat:gradient-accumulation-fusion")
+    ps = PatchSet(
+        "compat:gradient-accumulation-fusion", needed_on="every device, when Apex's fused_weight_gradient_mlp_cuda "
+                                                         "is not installed",
+        changes="provides the module fused_weight_gradient_mlp_cuda on the native mm_adaptor::matmul_add_fp32, so "
+                "--gradient-accumulation-fusion (Megatron-LM's default) accumulates weight gradients into main_grad",
+        unpatched="ColumnParallelLinear raises RuntimeError: ... gradient_accumulation_fusion set to True but the "
+                  "custom CUDA extension fused_weight_gradient_mlp_cuda module is not found "
+                  "(--no-gradient-accumulation-fusion avoids it)")
     try:
         import fused_weight_gradient_mlp_cuda  # noqa: F401  (Apex's own extension wins when installed)
 
+        ps.not_needed = "Apex's fused_weight_gradient_mlp_cuda is installed"
         return ps
     except ImportError:
         pass
     import importlib
 
     wgrad = importlib.import_module("mm_adaptor.ops.wgrad")
-    core = Contract(versions=SUPPORTED_MEGATRON_CORE)
     ps.provide_module("fused_weight_gradient_mlp_cuda", wgrad)
-    ps.replace("megatron.core.tensor_parallel.layers._grad_accum_fusion_available", True, contract=core)
-    ps.replace("megatron.core.tensor_parallel.layers.fused_weight_gradient_mlp_cuda", wgrad, contract=core,
+    ps.replace("megatron.core.tensor_parallel.layers._grad_accum_fusion_available", True, contract=_core())
+    ps.replace("megatron.core.tensor_parallel.layers.fused_weight_gradient_mlp_cuda", wgrad, contract=_core(),
                create=True)
     return ps
 
 
-def no_transformer_engine_patches() -> PatchSet:
-    """Applied by every backend when Transformer Engine is not installed."""
-    ps = PatchSet("compat:no-transformer-engine")
-    try:
-        import transformer_engine  # noqa: F401
-
-        return ps
-    except Exception:
-        pass
-    core = Contract(versions=SUPPORTED_MEGATRON_CORE)
-    ps.wrap("megatron.core.utils.is_te_min_version", _te_min_version_false_without_te, contract=core)
-    ps.replace("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu",
-               _move_split_sizes_to_host, contract=core)
-    ps.wrap("megatron.core.fusions.fused_softmax.FusedScaleMaskSoftmax.is_kernel_available",
-            _softmax_kernel_unavailable_without_extension, contract=core)
-    ps.wrap("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict",
-            _dist_optimizer_state_dict_before_first_step, contract=core)
-    # In fp32 the main params are views of the model params; megatron copies into them with autograd on.
-    ps.wrap("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_parameter_state_from_dp_reshardable",
-            _without_autograd, contract=core)
-    ps.wrap("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict",
-            _restore_adam_step_after_load, contract=core)
-    # RouterGatingLinearFunction reads this name, which megatron defines only when TE imports.
-    ps.replace("megatron.core.transformer.moe.moe_utils.te_general_gemm", None, contract=core, create=True)
-    return ps
+def every_device_patch_sets() -> list[PatchSet]:
+    return [te_version_query_patches(), moe_router_without_te_patches(), fused_softmax_availability_patches(),
+            torch_adam_distributed_checkpoint_patches(), torch_norm_patches(), rope_fusion_patches(),
+            gradient_accumulation_fusion_patches()]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from mm_adaptor.devices.base import DeviceBackend
+from mm_adaptor.devices.base import DeviceBackend, NoAcceleratorError  # noqa: F401
 
 DEVICE_ENV = "MM_ADAPTOR_DEVICE"
 BACKEND_NAMES = ("cuda", "npu", "cpu")
@@ -66,10 +66,13 @@ def install(name: str | None = None) -> DeviceBackend:
             f"device backend {_installed.name!r} is already installed; uninstall it before installing {name!r}"
         )
     why = f"requested by the caller ({name})"
+    automatic = False
     if name is None:
         name, why = choose()
+        automatic = not os.environ.get(DEVICE_ENV, "").strip()
     backend = make(name)
     backend.reason = why
+    backend.chosen_automatically = automatic
     backend.install()
     _installed = backend
     return backend

@@ -5,18 +5,19 @@ from __future__ import annotations
 import torch
 import wrapt
 
+from mm_adaptor.errors import ConfigurationError
 from mm_adaptor.patching import PatchSet
+
+
+class NoAcceleratorError(ConfigurationError, RuntimeError):
+    """An accelerator was asked for (e.g. NCCL) but none was found, and nobody chose the CPU on purpose."""
 
 
 def compat_patch_sets() -> list[PatchSet]:
     """Fixes megatron-core needs on every device when Transformer Engine / Apex are absent."""
-    from mm_adaptor.patches.megatron_compat import (
-        gradient_accumulation_fusion_patches,
-        no_transformer_engine_patches,
-        sequence_parallel_norm_patches,
-    )
+    from mm_adaptor.patches import megatron_compat
 
-    return [no_transformer_engine_patches(), sequence_parallel_norm_patches(), gradient_accumulation_fusion_patches()]
+    return megatron_compat.every_device_patch_sets()
 
 
 class DeviceBackend:
@@ -28,6 +29,8 @@ class DeviceBackend:
 
     def __init__(self) -> None:
         self.reason = ""
+        # True when chosen by probing the machine; False when MM_ADAPTOR_DEVICE or the caller named it.
+        self.chosen_automatically = False
         self.installed = False
         self._core_patches: list[PatchSet] = []
         self._training_patches: list[PatchSet] = []
@@ -50,6 +53,10 @@ class DeviceBackend:
 
     def describe(self) -> str:
         return f"{self.name}: {self.reason}"
+
+    def check_distributed_backend(self, requested, *, asked_by: str, how_to_choose_cpu: str) -> None:
+        """Raise NoAcceleratorError when `requested` (a process-group backend, named by `asked_by`) needs a
+        device this backend was not chosen to replace; `how_to_choose_cpu` is the caller's own way out."""
 
     def install(self) -> None:
         if self.installed:
@@ -98,3 +105,7 @@ class DeviceBackend:
 
     def all_patch_sets(self) -> list[PatchSet]:
         return [*self._core_patches, *self._training_patches]
+
+    def applied_targets(self) -> list[str]:
+        """Every target this backend has patched now: its device patches and the compatibility patches."""
+        return [patch.target for patch_set in self.all_patch_sets() for patch in patch_set if patch.applied]

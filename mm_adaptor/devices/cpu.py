@@ -7,8 +7,12 @@ What it changes, and nothing more:
 - A torch function mode maps device arguments naming CUDA ('cuda', 'cuda:N', ints,
   torch.device('cuda')) to the CPU, makes `Tensor.cuda()`/`pin_memory()`/`record_stream()`
   no-ops and lets `Tensor.type()` answer with the CUDA type names megatron compares against.
-- NCCL process groups become gloo.
-- Megatron's CUDA RNG-state helpers use the CPU generator (what dropout on the CPU draws from).
+- NCCL process groups become gloo, when the CPU was chosen on purpose (MM_ADAPTOR_DEVICE=cpu or
+  devices.install("cpu")) or the default group is already gloo. Chosen only because no accelerator was
+  found, an NCCL default group is refused with NoAcceleratorError: a GPU node whose driver is broken
+  must not train on its host CPUs without a word.
+- Megatron's CUDA RNG-state helpers use the CPU generator (what dropout on the CPU draws from), and
+  MoE's split sizes, already on the host, honour as_numpy.
 - Megatron-LM's "Megatron requires CUDA" check is lifted.
 """
 
@@ -22,10 +26,11 @@ import types
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mm_adaptor.devices.base import DeviceBackend
+from mm_adaptor.devices.base import DeviceBackend, NoAcceleratorError
 from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
 CPU = torch.device("cpu")
+CPU_ONLY = "the CPU backend only"
 
 
 def _is_cuda_device(dev) -> bool:
@@ -227,33 +232,28 @@ def _megatron_set_cuda_rng_state(new_state, device=-1, graph_safe=False):
     torch.set_rng_state(new_state)
 
 
+def _names_nccl(backend) -> bool:
+    return backend is not None and "nccl" in str(backend).lower()
+
+
 def _to_gloo(backend):
-    if backend is None:
-        return backend
-    name = str(backend).lower()
-    return "gloo" if "nccl" in name else backend
+    return "gloo" if _names_nccl(backend) else backend
 
 
-def _init_process_group_on_gloo(wrapped, instance, args, kwargs):
-    if args:
-        kwargs["backend"] = args[0]
-        args = args[1:]
-    kwargs["backend"] = _to_gloo(kwargs.get("backend")) or "gloo"
-    kwargs.pop("device_id", None)
-    return wrapped(*args, **kwargs)
+def _default_group_is_gloo() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_backend() == "gloo"
 
 
-def _new_group_on_gloo(wrapped, instance, args, kwargs):
-    if len(args) >= 3:
-        args = list(args)
-        args[2] = _to_gloo(args[2])
-        if len(args) >= 4:
-            args[3] = None
-    if "backend" in kwargs:
-        kwargs["backend"] = _to_gloo(kwargs["backend"])
-    if kwargs.get("pg_options") is not None and (kwargs.get("backend") in (None, "gloo")):
-        kwargs["pg_options"] = None
-    return wrapped(*args, **kwargs)
+def _move_split_sizes_to_host(tensor, as_numpy=False, record_stream=False):
+    """megatron's maybe_move_tensor_to_cpu converts only CUDA tensors; host tensors must honour as_numpy too."""
+    if torch.is_tensor(tensor):
+        if tensor.device.type != "cpu":
+            tensor = tensor.to(CPU, non_blocking=True)
+        if as_numpy:
+            tensor = tensor.numpy()
+    return tensor
 
 
 CPU_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
@@ -290,7 +290,12 @@ def _distinct(obj, target: str):
 
 
 def _torch_cuda_patches() -> PatchSet:
-    ps = PatchSet("device:cpu")
+    ps = PatchSet(
+        "device:cpu", needed_on=CPU_ONLY,
+        changes="the torch.cuda calls megatron makes (current device, RNG state, streams, events, synchronize, memory "
+                "statistics, device properties, nvtx) get CPU equivalents; torch.cuda.is_available() stays False",
+        unpatched="without a GPU, megatron's torch.cuda calls raise ('Torch not compiled with CUDA enabled' or "
+                  "'Found no NVIDIA driver')")
     torch_versions = Contract(versions=">=2.4", package="torch")
     replacements = {
         "torch.cuda.current_device": _zero,
@@ -330,14 +335,19 @@ def _torch_cuda_patches() -> PatchSet:
     }
     for target, new in replacements.items():
         ps.replace(target, _distinct(new, target), contract=torch_versions)
-    ps.wrap("torch.distributed.distributed_c10d.init_process_group", _init_process_group_on_gloo,
-            contract=torch_versions)
-    ps.wrap("torch.distributed.distributed_c10d.new_group", _new_group_on_gloo, contract=torch_versions)
     return ps
 
 
 def _megatron_core_patches() -> PatchSet:
-    ps = PatchSet("device:cpu:megatron-core")
+    ps = PatchSet(
+        "device:cpu:megatron-core", needed_on=CPU_ONLY,
+        changes="megatron's CUDA RNG-state helpers use the CPU generator (what dropout draws from here); MoE's "
+                "split sizes, already host tensors, honour maybe_move_tensor_to_cpu's as_numpy",
+        unpatched="the RNG tracker's CUDA state calls fail without a GPU; megatron ignores as_numpy for host "
+                  "tensors, so the MoE all-to-all dispatcher gets tensors where it expects numpy split sizes")
+    # MoE's all-to-all split sizes are host tensors here; megatron converts them to numpy only from CUDA.
+    ps.replace("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu", _move_split_sizes_to_host,
+               contract=Contract(versions=SUPPORTED_MEGATRON_CORE))
     ps.replace(
         "megatron.core.tensor_parallel.random._get_cuda_rng_state",
         _megatron_get_cuda_rng_state,
@@ -364,10 +374,61 @@ class CpuBackend(DeviceBackend):
         return CPU
 
     def device_patch_sets(self):
-        return [_torch_cuda_patches(), _megatron_core_patches()]
+        return [_torch_cuda_patches(), self._process_group_patches(), _megatron_core_patches()]
+
+    def _process_group_patches(self) -> PatchSet:
+        ps = PatchSet(
+            "device:cpu:process-groups", needed_on=CPU_ONLY,
+            changes="NCCL process groups become gloo when the CPU was chosen on purpose (MM_ADAPTOR_DEVICE=cpu, "
+                    "devices.install('cpu')) or the default group is gloo; chosen only because no accelerator was "
+                    "found, an NCCL default group is refused with one line saying how to choose the CPU",
+            unpatched="NCCL cannot start without a GPU")
+        torch_versions = Contract(versions=">=2.4", package="torch")
+        ps.wrap("torch.distributed.distributed_c10d.init_process_group", self._init_process_group_on_gloo,
+                contract=torch_versions)
+        ps.wrap("torch.distributed.distributed_c10d.new_group", self._new_group_on_gloo, contract=torch_versions)
+        return ps
+
+    def check_distributed_backend(self, requested, *, asked_by: str, how_to_choose_cpu: str) -> None:
+        if not self.chosen_automatically or not _names_nccl(requested):
+            return
+        raise NoAcceleratorError(
+            f"{asked_by} asks for NVIDIA GPUs, but torch sees no CUDA device, so the CPU backend was chosen only "
+            f"because no accelerator was found; to train on the CPU on purpose, {how_to_choose_cpu} or set "
+            "MM_ADAPTOR_DEVICE=cpu (otherwise check the GPU driver, e.g. with nvidia-smi)")
+
+    def _init_process_group_on_gloo(self, wrapped, instance, args, kwargs):
+        if args:
+            kwargs["backend"], args = args[0], args[1:]
+        requested = kwargs.get("backend")
+        self.check_distributed_backend(requested, how_to_choose_cpu="use backend='gloo'",
+                                       asked_by=f"torch.distributed.init_process_group(backend={requested!r})")
+        kwargs["backend"] = _to_gloo(requested) or "gloo"
+        kwargs.pop("device_id", None)
+        return wrapped(*args, **kwargs)
+
+    def _new_group_on_gloo(self, wrapped, instance, args, kwargs):
+        requested = args[2] if len(args) >= 3 else kwargs.get("backend")
+        if _names_nccl(requested) and not _default_group_is_gloo():
+            self.check_distributed_backend(requested, asked_by=f"torch.distributed.new_group(backend={requested!r})",
+                                           how_to_choose_cpu="use backend='gloo'")
+        if len(args) >= 3:
+            args = list(args)
+            args[2] = _to_gloo(args[2])
+            if len(args) >= 4:
+                args[3] = None
+        if "backend" in kwargs:
+            kwargs["backend"] = _to_gloo(kwargs["backend"])
+        if kwargs.get("pg_options") is not None and (kwargs.get("backend") in (None, "gloo")):
+            kwargs["pg_options"] = None
+        return wrapped(*args, **kwargs)
 
     def training_patch_sets(self):
-        ps = PatchSet("device:cpu:megatron-training")
+        ps = PatchSet(
+            "device:cpu:megatron-training", needed_on=CPU_ONLY,
+            changes="Megatron-LM's 'Megatron requires CUDA' check is lifted and its legacy fused CUDA kernel build "
+                    "skipped",
+            unpatched="initialize_megatron asserts 'Megatron requires CUDA.'")
         contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
         ps.wrap("megatron.training.initialize.initialize_megatron", _allow_no_cuda, contract=contract)
         # Megatron-LM's legacy fused CUDA kernels (built with nvcc at start-up) cannot run on the CPU.

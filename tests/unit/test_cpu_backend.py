@@ -75,6 +75,84 @@ def test_nccl_process_groups_become_gloo(backend, monkeypatch):
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def rendezvous(monkeypatch):
+    from mm_adaptor.launcher import free_port
+
+    monkeypatch.delenv("MM_ADAPTOR_DEVICE", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    devices.uninstall()
+
+
+def test_cpu_chosen_automatically_refuses_an_nccl_default_group(rendezvous):
+    import torch.distributed as dist
+
+    backend = devices.install()
+    assert backend.name == "cpu" and backend.chosen_automatically
+    with pytest.raises(devices.NoAcceleratorError) as refused:
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    message = str(refused.value)
+    assert "init_process_group(backend='nccl')" in message and "use backend='gloo'" in message
+    assert "MM_ADAPTOR_DEVICE=cpu" in message and "\n" not in message
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", rank=0, world_size=1)  # the CPU on purpose
+    group = dist.new_group([0], backend="nccl")  # megatron's subgroups follow a gloo default group
+    assert dist.get_backend(group) == "gloo"
+
+
+def test_default_backend_with_cpu_chosen_automatically_is_gloo(rendezvous):
+    import torch.distributed as dist
+
+    devices.install()
+    dist.init_process_group(rank=0, world_size=1)  # no backend named: no accelerator asked for
+    assert dist.get_backend() == "gloo"
+
+
+def test_cpu_forced_by_the_environment_maps_nccl_to_gloo(rendezvous, monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("MM_ADAPTOR_DEVICE", "cpu")
+    backend = devices.install()
+    assert not backend.chosen_automatically
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    assert dist.get_backend() == "gloo"
+
+
+def test_cpu_named_by_the_caller_is_chosen_on_purpose(rendezvous):
+    backend = devices.install("cpu")
+    assert not backend.chosen_automatically
+    backend.check_distributed_backend("nccl", asked_by="x", how_to_choose_cpu="y")  # no error
+
+
+def test_megatron_lm_nccl_default_is_refused_after_validation_with_cpu_chosen_automatically(rendezvous):
+    import argparse
+
+    from mm_adaptor.megatron_lm import _check_distributed_backend
+
+    devices.install()
+    expected = (r"--distributed-backend nccl \(Megatron-LM's default\) .*"
+                r"pass --distributed-backend gloo or set MM_ADAPTOR_DEVICE=cpu")
+    with pytest.raises(devices.NoAcceleratorError, match=expected):
+        _check_distributed_backend(argparse.Namespace(distributed_backend="nccl"))
+    _check_distributed_backend(argparse.Namespace(distributed_backend="gloo"))
+
+
+def test_applied_lists_the_backend_patches(rendezvous):
+    import mm_adaptor
+
+    backend = devices.install()
+    targets = mm_adaptor.applied()["backend:cpu"]
+    assert "torch.cuda.current_device" in targets
+    assert "megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu" in targets  # CPU-only now
+    assert "megatron.core.models.common.embeddings.rope_utils.fused_apply_rotary_pos_emb" in targets
+    assert "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__" in targets
+    assert targets == backend.applied_targets() and mm_adaptor.applied_features() == {}
+
+
 def test_uninstall_restores_torch_exactly():
     originals = {name: getattr(torch.cuda, name) for name in ("current_device", "Stream", "get_rng_state")}
     init_pg = torch.distributed.init_process_group

@@ -91,15 +91,19 @@ def test_flag_already_owned_by_the_parser_is_attached_not_added(demo_features):
 
 
 def test_off_applies_nothing(demo_features, target_module):
-    assert mm_adaptor.enable(argparse.Namespace()) == {}
+    mm_adaptor.enable(argparse.Namespace())
+    assert mm_adaptor.applied_features() == {}
     assert target_module.compute(1) == 2
 
 
 def test_enable_applied_disable(demo_features, target_module):
     original = target_module.compute
     active = mm_adaptor.enable(use_test_doubler=True, test_doubler_factor=5)
-    assert active == {"test-doubler": ["mm_fake_target.compute"]}
+    assert mm_adaptor.applied_features() == {"test-doubler": ["mm_fake_target.compute"]}
     assert mm_adaptor.applied() == active
+    backend = mm_adaptor.devices.current()
+    assert list(active) == ["test-doubler", f"backend:{backend.name}"]  # the device backend's patches, listed too
+    assert active[f"backend:{backend.name}"] == backend.applied_targets()
     assert target_module.compute(1) == 10
     mm_adaptor.disable()
     assert target_module.compute is original
@@ -108,7 +112,7 @@ def test_enable_applied_disable(demo_features, target_module):
 
 def test_enable_twice_same_options_is_noop_and_different_is_an_error(demo_features):
     mm_adaptor.enable(use_test_doubler=True)
-    assert mm_adaptor.enable(use_test_doubler=True) == {"test-doubler": ["mm_fake_target.compute"]}
+    assert mm_adaptor.enable(use_test_doubler=True)["test-doubler"] == ["mm_fake_target.compute"]
     with pytest.raises(FeatureConfigError, match="already enabled"):
         mm_adaptor.enable(use_test_doubler=True, test_doubler_factor=7)
 
@@ -138,7 +142,7 @@ def test_failure_leaves_nothing_half_applied(demo_features, target_module):
     with pytest.raises(Exception, match="does_not_exist"):
         mm_adaptor.enable(use_test_doubler=True, test_owned_flag=True)
     assert target_module.compute is original
-    assert mm_adaptor.applied() == {}
+    assert mm_adaptor.applied_features() == {}
 
 
 def test_flag_taken_by_two_features_is_refused(demo_features):

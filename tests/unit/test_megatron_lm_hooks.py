@@ -1,6 +1,7 @@
 """The one-line import's hooks on Megatron-LM's argument handling, exercised against a stand-in
 `megatron.training.arguments` with the same two entry points (Megatron-LM itself is not a pip package)."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -45,14 +46,18 @@ import mm_adaptor
 '''
 
 
-def run_against_stub(tmp_path, body: str) -> subprocess.CompletedProcess:
+def run_against_stub(tmp_path, body: str, *, arguments: str = STUB_ARGUMENTS, env: dict | None = None,
+                     check: bool = True) -> subprocess.CompletedProcess:
     training = tmp_path / "stub" / "megatron" / "training"
-    training.mkdir(parents=True)
+    training.mkdir(parents=True, exist_ok=True)
     (training / "__init__.py").write_text("")
-    (training / "arguments.py").write_text(STUB_ARGUMENTS)
+    (training / "arguments.py").write_text(arguments)
     script = PRELUDE.format(stub=str(tmp_path / "stub")) + textwrap.dedent(body)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "MM_ADAPTOR_DEVICE")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**environ, **(env or {})})
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
     return result
 
 
@@ -63,14 +68,14 @@ def test_flags_reach_megatron_parser_and_features_apply_after_validation(tmp_pat
 
         args = parse_args(["--tensor-model-parallel-size", "2"])
         assert args.optimize_vocab_parallel_ce is False
-        assert mm_adaptor.applied() == {}, "nothing may be applied before Megatron validates its arguments"
+        assert mm_adaptor.applied_features() == {}, "nothing may be applied before Megatron validates its arguments"
         validate_args(args)
-        assert mm_adaptor.applied() == {}, "a flag that is off applies nothing"
+        assert mm_adaptor.applied_features() == {}, "a flag that is off applies nothing"
 
         mm_adaptor.disable(keep_device=True)
         args = parse_args(["--optimize-vocab-parallel-ce", "--use-flash-attn"])  # the second is Megatron's own flag
         validate_args(args)
-        assert sorted(mm_adaptor.applied()) == ["flash-attn", "optimize-vocab-parallel-ce"], mm_adaptor.applied()
+        assert sorted(mm_adaptor.applied_features()) == ["flash-attn", "optimize-vocab-parallel-ce"]
         assert V.__dict__["calculate_predicted_logits"] is not original
         mm_adaptor.disable()
         assert V.__dict__["calculate_predicted_logits"] is original
@@ -94,7 +99,7 @@ def test_fused_gmm_lifts_the_grouped_gemm_device_check_only_while_validating(tmp
         args = parse_args([*flags, "--use-fused-gmm"])
         validate_args(args)
         assert args.validated and args.moe_grouped_gemm is True, "the user's value is back after validation"
-        assert list(mm_adaptor.applied()) == ["fused-gmm"], mm_adaptor.applied()
+        assert list(mm_adaptor.applied_features()) == ["fused-gmm"], mm_adaptor.applied()
         from megatron.core.transformer.moe import grouped_gemm_util as gg
         assert gg.grouped_gemm_is_available() and callable(gg.ops.gmm)
         mm_adaptor.disable()
@@ -103,3 +108,33 @@ def test_fused_gmm_lifts_the_grouped_gemm_device_check_only_while_validating(tmp
     ''')
     assert "GMM-OK" in result.stdout
     assert "arguments: moe_grouped_gemm=True" in result.stdout, "Megatron-LM's printout shows the user's value"
+
+
+STUB_WITH_DISTRIBUTED_BACKEND = STUB_ARGUMENTS.replace(
+    '    parser.add_argument("--num-experts"',
+    '    parser.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"])\n'
+    '    parser.add_argument("--num-experts"')
+
+
+def test_nccl_without_a_gpu_stops_right_after_validation_with_one_line(tmp_path):
+    def body(flags=()):
+        return f'''
+            args = parse_args({list(flags)!r})
+            validate_args(args)
+            print("TRAINING-WOULD-START", args.distributed_backend)
+        '''
+
+    stopped = run_against_stub(tmp_path, body(), arguments=STUB_WITH_DISTRIBUTED_BACKEND, check=False)
+    assert stopped.returncode == 1 and "TRAINING-WOULD-START" not in stopped.stdout
+    assert stopped.stderr.count("\n") == 1 and stopped.stderr.startswith(
+        "mm_adaptor: error: --distributed-backend nccl (Megatron-LM's default) asks for NVIDIA GPUs"), stopped.stderr
+    assert "--distributed-backend gloo or set MM_ADAPTOR_DEVICE=cpu" in stopped.stderr
+    other_rank = run_against_stub(tmp_path, body(), arguments=STUB_WITH_DISTRIBUTED_BACKEND, env={"RANK": "1"},
+                                  check=False)
+    assert other_rank.returncode == 1 and other_rank.stderr == ""
+
+    gloo = run_against_stub(tmp_path, body(["--distributed-backend", "gloo"]), arguments=STUB_WITH_DISTRIBUTED_BACKEND)
+    assert "TRAINING-WOULD-START gloo" in gloo.stdout
+    forced = run_against_stub(tmp_path, body(), arguments=STUB_WITH_DISTRIBUTED_BACKEND,
+                              env={"MM_ADAPTOR_DEVICE": "cpu"})
+    assert "TRAINING-WOULD-START nccl" in forced.stdout  # the CPU on purpose: NCCL groups become gloo, as before

@@ -168,6 +168,40 @@ def test_by_value_copy_is_rebound_and_restored(fake):
     assert b.f is original and b.call_f(1) == 2
 
 
+def test_copies_made_while_the_patch_is_active_are_restored_on_revert(fake, tmp_path):
+    name, a, b = fake
+    original = a.f
+    (tmp_path / name / "late.py").write_text(f"from {name}.a import f\nfrom {name}.a import g as renamed\n")
+    patch = Patch(f"{name}.a.f", add_ten, mode="wrap")
+    created = Patch(f"{name}.a.g", lambda x: x, mode="replace", create=True)
+    patch.apply()
+    created.apply()
+    late = importlib.import_module(f"{name}.late")  # imported while both patches are active
+    assert late.f is a.f is not original and late.renamed is a.g
+    created.revert()
+    patch.revert()
+    assert late.f is original and late.f(1) == 2 and b.f is original
+    assert not hasattr(late, "renamed"), "a copy of a created attribute goes away with it"
+
+
+def test_one_object_installed_on_two_targets_restores_each_copy_to_its_own_original(fake, tmp_path):
+    name, a, _ = fake
+    child, grandchild = a.Child, a.GrandChild
+    (tmp_path / name / "late2.py").write_text(f"from {name}.a import Child, GrandChild\n")
+
+    class Shared:
+        pass
+
+    patches = PatchSet("demo")
+    patches.replace(f"{name}.a.Child", Shared)
+    patches.replace(f"{name}.a.GrandChild", Shared)
+    patches.apply()
+    late = importlib.import_module(f"{name}.late2")
+    assert late.Child is late.GrandChild is Shared
+    patches.revert()  # one scan of sys.modules for the whole set
+    assert late.Child is child and late.GrandChild is grandchild
+
+
 def test_copy_rebound_by_someone_else_is_left_alone(fake):
     name, a, b = fake
     original = a.f
@@ -476,3 +510,36 @@ def test_megatron_divide_copies_are_rebound_and_restored():
     finally:
         patch.revert()
     assert all(m.divide is original for m in holders)
+
+
+def test_megatron_module_imported_while_fused_rope_is_on_keeps_nothing_fused_after_disable():
+    """megatron.core.transformer.attention copies apply_rotary_pos_emb by value; imported while
+    --use-fused-rotary-pos-emb is active, its copy is the patched function until disable()."""
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401  (attention and everything it imports)
+    import megatron.core.transformer as transformer_package
+    from megatron.core.models.common.embeddings import rope_utils
+
+    import mm_adaptor
+
+    name = "megatron.core.transformer.attention"
+    original = rope_utils.apply_rotary_pos_emb
+    imported_before = sys.modules[name]
+    assert imported_before.apply_rotary_pos_emb is original
+    mm_adaptor.enable({"use_fused_rotary_pos_emb": True, "position_embedding_type": "rope"})
+    try:
+        assert imported_before.apply_rotary_pos_emb is rope_utils.apply_rotary_pos_emb is not original
+        del sys.modules[name]
+        imported_during = importlib.import_module(name)
+        assert imported_during is not imported_before
+        assert imported_during.apply_rotary_pos_emb is rope_utils.apply_rotary_pos_emb is not original
+    finally:
+        mm_adaptor.disable()
+        sys.modules[name] = imported_before
+        transformer_package.attention = imported_before
+    assert rope_utils.apply_rotary_pos_emb is original
+    assert imported_during.apply_rotary_pos_emb is original
+    holders = [(module_name, attr) for module_name, module in list(sys.modules.items())
+               if module_name.startswith("megatron") and module is not None
+               for attr, value in vars(module).items()
+               if getattr(value, "__name__", None) == "apply_rotary_pos_emb" and value is not original]
+    assert not holders, f"still patched after disable: {holders}"
