@@ -1,23 +1,28 @@
 """--use-flash-attn (Megatron-LM's own flag): the local spec's core attention runs PyTorch's fused attention."""
 
-from mm_adaptor.features import Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register, require_local_spec, wrap_one
+from mm_adaptor.features import Feature, Flag, fused_kernel_tolerance, register, wrap_one
 
 
 @register
 class FlashAttention(Feature):
     name = "flash-attn"
     description = ("the local spec's core attention (DotProductAttention) runs mm_adaptor.ops.flash_attention: "
-                   "PyTorch's fused kernels, GQA, causal/padding masks, no s x s score matrix kept for backward")
+                   "PyTorch's fused kernels, GQA, causal/padding/sliding-window masks, attention dropout (the fused "
+                   "kernels' on CUDA/NPU, a blockwise fp32 kernel on the CPU, under megatron's RNG tracker), no s x s "
+                   "matrix kept for backward; packed sequences, attention bias and softmax offsets run megatron's "
+                   "attention. With Transformer Engine (--transformer-impl transformer_engine) the flag keeps "
+                   "Megatron's meaning")
     flags = (Flag("--use-flash-attn", description, megatron_owned=True),)
-    tolerance = fused_kernel_tolerance("online softmax in fp32 blocks instead of one softmax over the score matrix")
+    tolerance = fused_kernel_tolerance("online softmax in fp32 blocks instead of one softmax over the score matrix; "
+                                       "attention dropout masks are drawn differently (same distribution), so "
+                                       "compare with --attention-dropout 0")
 
-    def validate(self, options):
-        dropout = getattr(options, "attention_dropout", 0.0) or 0.0
-        if dropout > 0:
-            raise FeatureConfigError(f"--use-flash-attn does not support attention dropout (--attention-dropout "
-                                     f"{dropout}): its mask could not be reproduced under megatron's RNG tracker; "
-                                     "add --attention-dropout 0 or drop --use-flash-attn")
-        require_local_spec(self, options)
+    def stands_aside(self, options):
+        impl = getattr(options, "transformer_impl", "local")
+        if impl != "local":
+            return (f"--transformer-impl {impl} builds Transformer Engine's attention, which serves --use-flash-attn "
+                    "itself; mm_adaptor's flash attention patches the local spec only")
+        return None
 
     def patch_sets(self, options):
         from mm_adaptor.patches.transformer.fused_ops import dot_product_attention_forward_flash

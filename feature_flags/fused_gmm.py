@@ -29,6 +29,10 @@ class FusedGroupedMatmul(Feature):
         bias = getattr(options, "add_bias_linear", not getattr(options, "disable_bias_linear", False))
         if bias:
             raise FeatureConfigError("GroupedMLP has no expert biases: add --disable-bias-linear")
+        if getattr(options, "moe_apply_probs_on_input", False) and getattr(options, "moe_router_topk", 1) != 1:
+            from mm_adaptor.patches.transformer.moe_grouped_gemm import PROBS_ON_INPUT_REFUSAL
+
+            raise FeatureConfigError(PROBS_ON_INPUT_REFUSAL)
         require_local_spec(self, options)
 
     def patch_sets(self, options):

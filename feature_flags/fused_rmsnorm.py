@@ -8,7 +8,8 @@ from mm_adaptor.features import (Feature, FeatureConfigError, Flag, fused_kernel
 class FusedRMSNorm(Feature):
     name = "fused-rmsnorm"
     description = ("RMSNorm modules of the local spec (layer norms, final norm, q/k norms) run mm_adaptor::rms_norm: "
-                   "one pass each way, fp32 accumulation; works with sequence parallelism")
+                   "one pass each way, fp32 accumulation; works with sequence parallelism and --apply-layernorm-1p "
+                   "(zero-centred weight, y = x_hat * (1 + w))")
     flags = (Flag("--use-fused-rmsnorm", description),)
     tolerance = fused_kernel_tolerance("one fused fp32 reduction instead of torch's")
 
@@ -17,6 +18,10 @@ class FusedRMSNorm(Feature):
             raise FeatureConfigError("--use-fused-rmsnorm needs --normalization RMSNorm (the model uses "
                                      f"{getattr(options, 'normalization', 'LayerNorm')}): add --normalization RMSNorm "
                                      "or drop --use-fused-rmsnorm")
+        if getattr(options, "memory_efficient_layer_norm", False):
+            from mm_adaptor.patches.transformer.fused_ops import MEMORY_EFFICIENT_NORM_REFUSAL
+
+            raise FeatureConfigError(MEMORY_EFFICIENT_NORM_REFUSAL)
         require_local_spec(self, options)
 
     def patch_sets(self, options):

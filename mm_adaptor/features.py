@@ -6,13 +6,15 @@ import argparse
 import importlib
 import os
 import pkgutil
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from mm_adaptor.errors import ConfigurationError
 from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, PatchSet
 
 
-class FeatureConfigError(ValueError):
+class FeatureConfigError(ConfigurationError, ValueError):
     """A feature's options conflict with the configuration; the message names the flags and the fix."""
 
 
@@ -55,36 +57,27 @@ class Flag:
 class Tolerance:
     """How close a feature's results must be to unpatched Megatron, and why.
 
-    `low_precision_rtol/atol` apply to bf16/fp16 runs (default: the fp32 figures)."""
+    exact: every loss, gradient and parameter bit-for-bit. Otherwise the harness judges each loss, gradient (every
+    step) and parameter update against thresholds calibrated from Megatron's own rounding noise in the run's
+    precision (mm_adaptor.harness.verdict), multiplied by `factor` (which a feature must justify in `why`)."""
 
     exact: bool
-    rtol: float = 0.0
-    atol: float = 0.0
     why: str = ""
-    low_precision_rtol: float | None = None
-    low_precision_atol: float | None = None
-
-    def for_precision(self, low_precision: bool) -> "Tolerance":
-        if self.exact or not low_precision:
-            return self
-        return Tolerance(exact=False, rtol=self.low_precision_rtol if self.low_precision_rtol is not None else self.rtol,
-                         atol=self.low_precision_atol if self.low_precision_atol is not None else self.atol,
-                         why=self.why)
+    factor: float = 1.0
 
     def describe(self) -> str:
         if self.exact:
             return f"bit-for-bit ({self.why})" if self.why else "bit-for-bit"
-        return f"rtol={self.rtol:g}, atol={self.atol:g} ({self.why})"
+        scale = f" x{self.factor:g}" if self.factor != 1 else ""
+        return f"calibrated rounding noise{scale} ({self.why})" if self.why else f"calibrated rounding noise{scale}"
 
 
 BIT_FOR_BIT = Tolerance(exact=True, why="the math is unchanged")
 
 
 def fused_kernel_tolerance(what_differs: str) -> Tolerance:
-    """The tolerance of a feature that computes the same math in a different fp32 rounding order."""
-    return Tolerance(exact=False, rtol=1e-3, atol=5e-4, low_precision_rtol=5e-2, low_precision_atol=1e-2,
-                     why=f"{what_differs}: fp32-rounding-level differences, which Adam can turn into parameter "
-                         "differences up to lr per step on near-zero gradients; bf16: one bf16 ulp")
+    """The tolerance of a feature that computes the same math with different rounding."""
+    return Tolerance(exact=False, why=what_differs)
 
 
 def wrap_one(feature_name: str, target: str, wrapper, versions: str = SUPPORTED_MEGATRON_CORE) -> list[PatchSet]:
@@ -123,7 +116,13 @@ class Feature:
         return bool(getattr(options, self.main_flag.dest, False))
 
     def validate(self, options) -> None:
-        """Raise FeatureConfigError naming the flags in conflict and the fix."""
+        """Raise FeatureConfigError naming the flags in conflict and the fix. A feature attached to a Megatron-owned
+        flag never raises for a configuration Megatron accepts: it stands aside instead (see stands_aside)."""
+
+    def stands_aside(self, options) -> str | None:
+        """Consulted only when the main flag is Megatron-owned: why this feature cannot serve the configuration
+        (it is then not applied and Megatron's own meaning of the flag stays, with one warning), or None."""
+        return None
 
     def patch_sets(self, options) -> list[PatchSet]:
         raise NotImplementedError
@@ -218,6 +217,26 @@ def fill_defaults(options) -> Any:
 
 def enabled_features(options) -> list[Feature]:
     return [feature for feature in all_features() if feature.is_enabled(options)]
+
+
+_stood_aside: set[tuple[str, str]] = set()
+
+
+def serving(options, candidates: Iterable[Feature]) -> list[Feature]:
+    """The candidates that serve this configuration: one attached to a Megatron-owned flag that cannot serve it
+    stands aside, with one warning per process naming the flag and the reason."""
+    kept = []
+    for feature in candidates:
+        reason = feature.stands_aside(options) if feature.main_flag.megatron_owned else None
+        if reason is None:
+            kept.append(feature)
+            continue
+        if (feature.name, reason) not in _stood_aside:
+            _stood_aside.add((feature.name, reason))
+            flag = feature.main_flag.option
+            warnings.warn(f"mm_adaptor leaves {flag} to Megatron: {reason}; Megatron's own {flag} behaviour stays",
+                          RuntimeWarning, stacklevel=3)
+    return kept
 
 
 def validate(options, features: Iterable[Feature]) -> None:

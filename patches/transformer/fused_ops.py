@@ -1,4 +1,4 @@
-"""Megatron modules rerouted to the native ops (mm_adaptor.ops): RMSNorm, SwiGLU, rotary embeddings."""
+"""Megatron modules rerouted to the native ops (mm_adaptor.ops): RMSNorm, SwiGLU, rotary embeddings, core attention."""
 
 from __future__ import annotations
 
@@ -9,41 +9,95 @@ import torch
 from mm_adaptor import ops
 
 
-class FusedRMSNorm(torch.nn.Module):
-    """RMSNorm on the native kernel; same parameter name and shape as torch.nn.RMSNorm (checkpoints match)."""
+_warned: set[tuple[str, str]] = set()
 
-    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool, dtype=None, device=None):
+
+def _warn_fallback(flag: str, what: str) -> None:
+    """One warning per flag and reason: megatron's own code runs for the calls that need `what`."""
+    if (flag, what) in _warned:
+        return
+    _warned.add((flag, what))
+    warnings.warn(f"{flag}: {what} is not covered by the native kernel; megatron's own code runs for these calls",
+                  RuntimeWarning, stacklevel=3)
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """RMSNorm on the native kernel; same parameter name and shape as torch.nn.RMSNorm (checkpoints match).
+
+    zero_centered_gamma (--apply-layernorm-1p): the weight starts at zeros and y = x_hat * (1 + w), as in
+    Transformer Engine's and Apex's norms; 1 + w is formed in fp32 (at least), as Transformer Engine does."""
+
+    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool, zero_centered_gamma: bool = False,
+                 dtype=None, device=None):
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.zero_centered_gamma = zero_centered_gamma
+        init = torch.zeros if zero_centered_gamma else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=dtype, device=device))
         # Under sequence parallelism each TP rank sees a sequence shard: megatron all-reduces the
         # gradients of parameters marked like this across the TP group.
         self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x):
-        return ops.rms_norm(x, self.weight, self.eps)
+        weight = self.weight
+        if self.zero_centered_gamma:
+            weight = weight.to(torch.promote_types(weight.dtype, torch.float32)) + 1
+        return ops.rms_norm(x, weight, self.eps)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, kernel=mm_adaptor::rms_norm"
+        centred = ", zero_centered_gamma=True" if self.zero_centered_gamma else ""
+        return f"{self.weight.shape[0]}, eps={self.eps}{centred}, kernel=mm_adaptor::rms_norm"
+
+
+MEMORY_EFFICIENT_NORM_REFUSAL = (
+    "--use-fused-rmsnorm does not implement --memory-efficient-layer-norm (Apex's norm that keeps its output instead "
+    "of its input for backward; megatron's torch norm refuses it too): drop --memory-efficient-layer-norm")
 
 
 def torch_norm_new_with_fused_rmsnorm(wrapped, instance, args, kwargs):
-    """WrappedTorchNorm(config, hidden_size, eps, ...) -> FusedRMSNorm when config.normalization is RMSNorm."""
+    """WrappedTorchNorm(config, hidden_size, eps, ...) -> FusedRMSNorm when config.normalization is RMSNorm.
+
+    persist_layer_norm only selects Apex's persistent LayerNorm kernel: no meaning here, accepted."""
     names = ("cls", "config", "hidden_size", "eps")
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})
     config = bound["config"]
     if config.normalization != "RMSNorm":
         return wrapped(*args, **kwargs)
+    if config.memory_efficient_layer_norm:
+        from mm_adaptor.features import FeatureConfigError
+
+        raise FeatureConfigError(MEMORY_EFFICIENT_NORM_REFUSAL)
     return FusedRMSNorm(bound["hidden_size"], bound.get("eps", 1e-5), bool(config.sequence_parallel),
-                        dtype=config.params_dtype)
+                        zero_centered_gamma=bool(config.layernorm_zero_centered_gamma), dtype=config.params_dtype)
 
 
-def _is_plain_swiglu(config, activation_func) -> bool:
+def _is_swiglu(config, activation_func) -> bool:
     import torch.nn.functional as F
 
-    return (config.gated_linear_unit and activation_func is F.silu and not config.use_te_activation_func
-            and config.activation_func_clamp_value is None and not config.glu_linear_offset)
+    return bool(config.gated_linear_unit) and activation_func is F.silu
+
+
+def _swiglu_needs_megatron(config, per_token_scale) -> str | None:
+    """Why MLP.forward's SwiGLU must run megatron's code for this call, or None when the native op computes what
+    megatron computes (its fused path ignores the clamp value and the GLU offset, its unfused path applies them)."""
+    from megatron.core.transformer import mlp
+
+    if config.use_te_activation_func:
+        return "Transformer Engine's activation module (use_te_activation_func)"
+    if config.bias_activation_fusion:
+        if per_token_scale is not None and config.add_bias_linear:
+            return "routing-probability scale with a bias under --bias-swiglu-fusion (megatron refuses it)"
+        if config.activation_func_fp8_input_store:
+            return "--activation-func-fp8-input-store (the fused SwiGLU keeps its input in fp8 for backward)"
+        if config.cpu_offloading and config.cpu_offloading_activations and mlp.HAVE_TE:
+            return "activation CPU offloading (the fused SwiGLU marks its input for Transformer Engine's offloading)"
+        return None
+    if config.activation_func_clamp_value is not None:
+        return "activation_func_clamp_value"
+    if config.glu_linear_offset:
+        return "glu_linear_offset"
+    return None
 
 
 def mlp_forward_with_fused_swiglu(wrapped, instance, args, kwargs):
@@ -51,10 +105,14 @@ def mlp_forward_with_fused_swiglu(wrapped, instance, args, kwargs):
     megatron's code. The probability scale (MoE experts of SequentialMLP) is applied as megatron's unfused path does."""
     if instance is None:  # called through the class: MLP.forward(mlp, ...)
         instance, args = args[0], args[1:]
-    if not _is_plain_swiglu(instance.config, instance.activation_func):
+    if not _is_swiglu(instance.config, instance.config.activation_func):
         return wrapped(*args, **kwargs)
     hidden_states = args[0] if args else kwargs["hidden_states"]
     per_token_scale = args[1] if len(args) > 1 else kwargs.get("per_token_scale")
+    why_not = _swiglu_needs_megatron(instance.config, per_token_scale)
+    if why_not:
+        _warn_fallback("--use-fused-swiglu", why_not)
+        return wrapped(*args, **kwargs)
     intermediate, bias = instance.linear_fc1(hidden_states)
     if bias is not None:
         intermediate = intermediate + bias
@@ -70,79 +128,98 @@ def mlp_forward_with_fused_swiglu(wrapped, instance, args, kwargs):
 
 
 def grouped_mlp_init_with_fused_swiglu(wrapped, instance, args, kwargs):
-    """GroupedMLP built with its SwiGLU on mm_adaptor::swiglu (its probability scale reads self.activation_func)."""
+    """GroupedMLP built with its SwiGLU on mm_adaptor::swiglu (its probability scale reads self.activation_func).
+    Megatron's GroupedMLP ignores the clamp value, the GLU offset and TE's activation module: so does this."""
     wrapped(*args, **kwargs)
-    if _is_plain_swiglu(instance.config, instance.config.activation_func):
+    if _is_swiglu(instance.config, instance.config.activation_func):
         instance.activation_func = ops.swiglu
 
 
-_warned_rope_fallback = False
+def _rope_needs_megatron(t, freqs, config, cu_seqlens, mscale) -> str | None:
+    """Why apply_rotary_pos_emb must run megatron's code for this call, or None when the native kernel computes
+    megatron's rotation ([s, b, h, d], one angle set per position; cp_group plays no part in that layout)."""
+    if cu_seqlens is not None:
+        return "packed sequences (cu_seqlens)"
+    if getattr(config, "multi_latent_attention", False):
+        return "multi-latent attention"
+    if mscale != 1.0:
+        return "mscale != 1"
+    if t.dim() != 4:
+        return "a tensor not in [s, b, h, d] layout"
+    if freqs.dim() != 4 or freqs.shape[1:3] != (1, 1) or freqs.shape[0] not in (1, t.shape[0]):
+        return "frequencies per sample (freqs not [s, 1, 1, rot], e.g. mRoPE with batch > 1)"
+    return None
 
 
 def apply_rotary_pos_emb_fused(wrapped, instance, args, kwargs):
     """apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, ...) on the native kernel for the
-    [s, b, h, d] layout; packed sequences, multi-latent attention, mscale != 1 and mRoPE keep megatron's code."""
+    [s, b, h, d] layout (rotate-half and interleaved, partial rotary); megatron's code runs otherwise."""
     names = ("t", "freqs", "config", "cu_seqlens", "mscale")
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})
     config = bound["config"]
-    unsupported = [reason for reason, present in (
-        ("packed sequences (cu_seqlens)", bound.get("cu_seqlens") is not None),
-        ("multi-latent attention", getattr(config, "multi_latent_attention", False)),
-        ("mscale != 1", bound.get("mscale", 1.0) != 1.0),
-        ("mRoPE", getattr(config, "mrope_section", None) is not None),
-    ) if present]
-    if unsupported:
-        global _warned_rope_fallback
-        if not _warned_rope_fallback:
-            _warned_rope_fallback = True
-            warnings.warn(f"--use-fused-rotary-pos-emb: {', '.join(unsupported)} not covered by the native kernel; "
-                          "megatron's implementation runs for these calls", RuntimeWarning, stacklevel=2)
+    why_not = _rope_needs_megatron(bound["t"], bound["freqs"], config, bound.get("cu_seqlens"),
+                                   bound.get("mscale", 1.0))
+    if why_not:
+        _warn_fallback("--use-fused-rotary-pos-emb", why_not)
         return wrapped(*args, **kwargs)
     return ops.rotary_pos_emb(bound["t"], bound["freqs"], bool(config.rotary_interleaved))
 
 
-def _flash_attention_applies(attn, attention_bias, packed_seq_params) -> str | None:
-    """None when the native path computes exactly what megatron's DotProductAttention computes, else why not."""
-    config = attn.config
+def _flash_attention_needs_megatron(attn, query, key, attention_mask, attention_bias, packed_seq_params) -> str | None:
+    """None when the native path computes what megatron's DotProductAttention computes, else why not."""
+    from megatron.core.transformer.enums import AttnMaskType
+
     if packed_seq_params is not None:
-        return "packed sequences"
+        return "packed sequences (megatron's DotProductAttention refuses them too)"
     if attention_bias is not None:
-        return "attention bias"
+        return "attention bias (megatron's DotProductAttention refuses it too)"
     if getattr(attn, "softmax_offset", None) is not None:
-        return "softmax offset"
-    if config.apply_query_key_layer_scaling:
-        return "query-key layer scaling"
-    if attn.training and config.attention_dropout > 0:
-        return "attention dropout"
+        return "softmax offset (--softmax-type off-by-one/learnable)"
+    builds_causal_mask = (attention_mask is None and attn.scale_mask_softmax.window_size is None
+                          and attn.attn_mask_type == AttnMaskType.causal and query.shape[0] > 1)
+    if builds_causal_mask and query.shape[0] != key.shape[0]:
+        return "a causal mask with sq != sk (megatron asserts 'causal mask is only for self attention')"
     return None
-
-
-_warned_attention_fallback = False
 
 
 def dot_product_attention_forward_flash(wrapped, instance, args, kwargs):
     """DotProductAttention.forward on mm_adaptor.ops.flash_attention (PyTorch's fused kernels: no s x s
-    scores kept for backward). Returns [sq, b, hp] like megatron."""
+    scores kept for backward). Returns [sq, b, hp] like megatron.
+
+    Mirrors megatron's torch softmax path: the sliding-window mask replaces a given mask; without a mask the causal
+    mask type builds the causal mask; QK layer scaling's coefficient cancels out (fp32 scores here); the dropout
+    probability is the module's, in training only, drawn inside the RNG tracker's fork unless sequence parallel."""
+    from megatron.core import tensor_parallel
     from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import get_sliding_window_causal_mask
 
     if instance is None:
         instance, args = args[0], args[1:]
     names = ("query", "key", "value", "attention_mask", "attn_mask_type", "attention_bias", "packed_seq_params")
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})
-    why_not = _flash_attention_applies(instance, bound.get("attention_bias"), bound.get("packed_seq_params"))
-    if why_not:
-        global _warned_attention_fallback
-        if not _warned_attention_fallback:
-            _warned_attention_fallback = True
-            warnings.warn(f"--use-flash-attn: {why_not} is not covered; megatron's attention runs for these calls",
-                          RuntimeWarning, stacklevel=2)
-        return wrapped(*args, **kwargs)
     query, key, value = bound["query"], bound["key"], bound["value"]
     mask = bound.get("attention_mask")
-    # Megatron applies a given mask as it is; only without one does the causal mask type build the causal mask.
+    why_not = _flash_attention_needs_megatron(instance, query, key, mask, bound.get("attention_bias"),
+                                              bound.get("packed_seq_params"))
+    if why_not:
+        _warn_fallback("--use-flash-attn", why_not)
+        return wrapped(*args, **kwargs)
+    softmax = instance.scale_mask_softmax
+    if softmax.window_size is not None:
+        mask = get_sliding_window_causal_mask(query.shape[0], key.shape[0], softmax.window_size).to(query.device)
     causal = mask is None and instance.attn_mask_type == AttnMaskType.causal and query.shape[0] > 1
-    context = ops.flash_attention(query, key, value, causal=causal, attention_mask=mask,
-                                  scale=instance.softmax_scale)
+    scale = instance.softmax_scale * (softmax.scale or 1.0)
+    dropout_p = instance.attention_dropout.p if instance.training else 0.0
+
+    def attend():
+        return ops.flash_attention(query, key, value, causal=causal, attention_mask=mask, scale=scale,
+                                   dropout_p=dropout_p)
+
+    if dropout_p > 0 and not instance.config.sequence_parallel:
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            context = attend()
+    else:
+        context = attend()
     return context.reshape(context.shape[0], context.shape[1], -1)

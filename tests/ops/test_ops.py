@@ -211,12 +211,6 @@ def test_flash_attention(dtype, causal, padded, hq, hkv):
         torch.testing.assert_close(got.double(), want, rtol=5 * tol, atol=5 * tol)
 
 
-def test_flash_attention_refuses_dropout():
-    q = torch.randn(4, 1, 2, 8)
-    with pytest.raises(ValueError, match="--attention-dropout 0"):
-        ops.flash_attention(q, q, q, dropout_p=0.1)
-
-
 def test_reference_fallback_without_a_compiler(tmp_path):
     import subprocess
     import sys

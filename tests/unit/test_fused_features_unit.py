@@ -83,12 +83,11 @@ def test_fused_rope_runs_native_op_and_falls_back_for_packed_sequences(cpu_backe
     (dict(use_fused_swiglu=True, swiglu=False), "--use-fused-swiglu needs --swiglu"),
     (dict(use_fused_rotary_pos_emb=True, position_embedding_type="learned_absolute"),
      "--position-embedding-type rope"),
-    (dict(use_flash_attn=True, attention_dropout=0.1), "--attention-dropout 0"),
 ])
 def test_preconditions_are_named(cpu_backend, options, message):
     with pytest.raises(FeatureConfigError, match=message):
         mm_adaptor.enable(argparse.Namespace(**options))
-    assert mm_adaptor.applied() == {}
+    assert mm_adaptor.applied_features() == {}
 
 
 @pytest.mark.parametrize("options, message", [
@@ -101,7 +100,7 @@ def test_preconditions_are_named(cpu_backend, options, message):
 def test_fused_gmm_preconditions_are_named(cpu_backend, options, message):
     with pytest.raises(FeatureConfigError, match=message):
         mm_adaptor.enable(argparse.Namespace(**options))
-    assert mm_adaptor.applied() == {}
+    assert mm_adaptor.applied_features() == {}
 
 
 @pytest.mark.parametrize("trans_b", [False, True])
@@ -154,13 +153,13 @@ def test_dump_names_grouped_experts_like_sequential_ones(cpu_backend):
     per-expert weights must reproduce GroupedMLP's output."""
     from megatron.core.transformer.moe.experts import GroupedMLP
 
-    from mm_adaptor.train import _dump_entries
+    from mm_adaptor.train import dump_entries
 
     mm_adaptor.enable(argparse.Namespace(use_fused_gmm=True, num_experts=2, moe_grouped_gemm=True,
                                          disable_bias_linear=True))
     config = tiny_config(num_moe_experts=2, moe_ffn_hidden_size=8, add_bias_linear=False)
     experts = GroupedMLP(2, config, pg_collection=single_rank_experts())
-    views = {name: view(p.detach()) for name, p, view in _dump_entries(experts)}
+    views = {name: view(p.detach()) for name, p, view in dump_entries(experts)}
     assert sorted(views) == [f"local_experts.{e}.linear_fc{i}.weight" for e in (0, 1) for i in (1, 2)]
     assert views["local_experts.0.linear_fc1.weight"].shape == (16, 16)  # [2 x ffn, hidden], like ColumnParallel
     assert views["local_experts.0.linear_fc2.weight"].shape == (16, 8)
