@@ -1,15 +1,12 @@
 """Memory accounting for feature comparisons: activation bytes saved for backward, per layer, as they stand
-at the end of forward (storage released by a feature counts as freed), plus parameter and optimizer-state bytes."""
+at the end of forward (storage released by a feature counts as freed), plus the bytes of parameters, gradients and
+optimizer state, per kind, on the device and parked in host memory."""
 
 from __future__ import annotations
 
 import torch
 
-
-def _unwrap(module):
-    while hasattr(module, "module"):
-        module = module.module
-    return module
+from mm_adaptor.train.model import unwrap
 
 
 def _storage_key(t: torch.Tensor):
@@ -28,7 +25,7 @@ class SavedTensorAccountant:
         self._handles = []
         self._param_storages = set()
         for chunk in model_chunks:
-            model = _unwrap(chunk)
+            model = unwrap(chunk)
             for p in model.parameters():
                 self._param_storages.add(p.untyped_storage().data_ptr())
             decoder = getattr(model, "decoder", None)
@@ -78,29 +75,98 @@ class SavedTensorAccountant:
         self.saved.clear()
 
 
-def parameter_bytes(model_chunks) -> int:
-    seen = set()
-    total = 0
-    for chunk in model_chunks:
-        for p in _unwrap(chunk).parameters():
-            key = _storage_key(p)
-            if key not in seen:
-                seen.add(key)
-                total += p.numel() * p.element_size()
+# The kinds of model state, in the order that claims bytes: a byte counts once, for the first kind holding it
+# (the fp32 main params of an fp32 run are the model parameters or views of them, so they add nothing).
+STATE_KINDS = ("parameter_bytes", "gradient_bytes", "optimizer_main_param_bytes", "optimizer_moment_bytes")
+RESIDENCES = ("device", "host")
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte address of a tensor's elements: exactly its bytes when it is dense (parameters,
+    gradient buffers and optimizer state are), the enclosing span for a strided view."""
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
+    """Bytes two merged span lists share."""
+    total, i, j = 0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
     return total
 
 
-def optimizer_state_bytes(optimizer, model_chunks) -> int:
-    """Optimizer moments plus any main (fp32) parameter copies that are not the model parameters themselves."""
-    model_storages = {p.untyped_storage().data_ptr() for c in model_chunks for p in _unwrap(c).parameters()}
-    inners = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
-    total = 0
-    for inner in inners:
+def _compute_device(model_chunks, device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    from mm_adaptor import devices
+
+    backend = devices.current()
+    if backend is not None:
+        return backend.torch_device()
+    params = [p for c in model_chunks for p in unwrap(c).parameters() if p.device.type not in ("cpu", "meta")]
+    return params[0].device if params else torch.device("cpu")
+
+
+def _optimizer_state_tensors(optimizer):
+    """(main params, moments) of a megatron optimizer (chained or not) or of a plain torch optimizer. Scalars in
+    the state (Adam's step counts) are not moments and are left out."""
+    if optimizer is None:
+        return [], []
+    mains, moments = [], []
+    for outer in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(outer, "optimizer", outer)
         for group in inner.param_groups:
             for p in group["params"]:
-                if p.untyped_storage().data_ptr() not in model_storages:
-                    total += p.numel() * p.element_size()
-                for value in inner.state.get(p, {}).values():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        total += value.numel() * value.element_size()
-    return total
+                mains.append(p)
+                moments += [v for v in inner.state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return mains, moments
+
+
+def model_state_bytes(model_chunks, optimizer=None, device=None) -> dict:
+    """Bytes of parameters, gradients (DDP's main_grad buffers, or .grad), optimizer main params and optimizer
+    moments, each per residence: "device" where the model computes, "host" for tensors parked in host memory
+    (on the CPU while the model runs on an accelerator; on the CPU backend the host is the device).
+
+    A tensor counts the bytes it spans; spans are merged per storage, so views of one contiguous buffer (megatron's
+    DDP and distributed-optimizer buffers) count each view once, a parameter shared by two modules counts once and
+    overlapping views do not double count. `device`: the model's compute device (default: the installed device
+    backend's). Returns {kind: bytes} for STATE_KINDS, optimizer_state_bytes (main params + moments),
+    device_bytes and host_bytes (all kinds), and by_residence {residence: {kind: bytes}}."""
+    compute = _compute_device(model_chunks, device)
+    params = [p for c in model_chunks for p in unwrap(c).parameters()]
+    mains, moments = _optimizer_state_tensors(optimizer)
+    grads = [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
+    grads += [p.grad for p in mains if p.grad is not None]
+    by_residence = {r: dict.fromkeys(STATE_KINDS, 0) for r in RESIDENCES}
+    claimed: dict[tuple, list[tuple[int, int]]] = {}
+    for kind, tensors in zip(STATE_KINDS, (params, grads, mains, moments)):
+        spans: dict[tuple, list[tuple[int, int]]] = {}
+        for t in tensors:
+            if t.numel() and t.device.type != "meta":
+                spans.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(_byte_span(t))
+        for key, storage_spans in spans.items():
+            merged = _merge(storage_spans)
+            new = sum(end - start for start, end in merged) - _overlap(merged, claimed.get(key, []))
+            residence = "host" if key[0].type == "cpu" and compute.type != "cpu" else "device"
+            by_residence[residence][kind] += new
+            claimed[key] = _merge(claimed.get(key, []) + merged)
+    totals = {kind: sum(by_residence[r][kind] for r in RESIDENCES) for kind in STATE_KINDS}
+    return dict(totals,
+                optimizer_state_bytes=totals["optimizer_main_param_bytes"] + totals["optimizer_moment_bytes"],
+                device_bytes=sum(by_residence["device"].values()), host_bytes=sum(by_residence["host"].values()),
+                by_residence=by_residence)

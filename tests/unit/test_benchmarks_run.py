@@ -12,6 +12,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 @pytest.mark.parametrize("script, args, rows", [
     ("ops.py", ["--tokens", "64", "--hidden", "64", "--dtype", "float32"], 8),
     ("moe_experts.py", ["--tokens", "64", "--hidden", "32", "--ffn", "16", "--experts", "2"], 4),
+    ("vocab_parallel_ce.py", ["--tokens", "64", "--vocab-shard", "128", "--dtype", "float32", "--rounds", "1"], 3),
 ])
 def test_benchmark_prints_its_table(script, args, rows):
     done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args, "--min-run-time", "0.01"],
