@@ -37,7 +37,7 @@ def build(args, dtype):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 
-    from mm_adaptor.train import _dump_entries
+    from mm_adaptor.train import dump_entries
 
     config = TransformerConfig(
         num_layers=1, hidden_size=args.hidden, ffn_hidden_size=args.ffn, moe_ffn_hidden_size=args.ffn,
@@ -51,7 +51,7 @@ def build(args, dtype):
                                pg_collection=groups)
     weights = dict(sequential.named_parameters())
     with torch.no_grad():
-        for name, p, view in _dump_entries(grouped):
+        for name, p, view in dump_entries(grouped):
             weights[name].copy_(view(p))
     return grouped, sequential
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import sys
 import time
 import traceback
+import warnings
+from queue import Empty
 from typing import Any, Callable
 
 RANK_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -27,7 +30,31 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _rank_entry(fn, args, rank, world_size, port, threads, errors):
+def _forward_warnings_to(queue) -> None:
+    """A rank's warnings go to the launcher, which prints each distinct one once for all ranks."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        queue.put(f"{category.__name__}: {message}")
+
+    warnings.showwarning = show
+
+
+_shown_warnings: set[str] = set()
+
+
+def _print_new_warnings(queue) -> None:
+    while True:
+        try:
+            text = queue.get_nowait()
+        except Empty:
+            return
+        if text not in _shown_warnings:
+            _shown_warnings.add(text)
+            print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
+def _rank_entry(fn, args, rank, world_size, port, threads, errors, rank_warnings):
+    _forward_warnings_to(rank_warnings)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -52,10 +79,10 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, timeout: flo
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // nproc)
     ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
+    errors, rank_warnings = ctx.Queue(), ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_entry, args=(fn, args, rank, nproc, port, threads_per_rank, errors),
+        ctx.Process(target=_rank_entry, args=(fn, args, rank, nproc, port, threads_per_rank, errors, rank_warnings),
                     name=f"rank{rank}", daemon=False)
         for rank in range(nproc)
     ]
@@ -65,6 +92,7 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, timeout: flo
     failed: tuple[int, str, str] | None = None
     try:
         while any(p.is_alive() for p in procs):
+            _print_new_warnings(rank_warnings)
             if failed is None:
                 failed = _first_failure(procs, errors)
                 if failed is not None:
@@ -87,6 +115,7 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, timeout: flo
     finally:
         for proc in procs:
             proc.join(timeout=1.0)
+        _print_new_warnings(rank_warnings)
     if failed is not None:
         rank, summary, tb = failed
         raise LaunchError(f"rank {rank} failed: {summary}\n--- traceback of rank {rank} ---\n{tb}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mm_adaptor.train.model import unwrap
+
 
 def _metadata(state) -> dict:
     from megatron.core import parallel_state as ps
@@ -16,19 +18,13 @@ def _metadata(state) -> dict:
     }
 
 
-def _unwrap(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def _model_key(state, index: int) -> str:
     return "model" if len(state.model) == 1 else f"model{index}"
 
 
 def _sharded_state_dict(state, *, is_loading: bool, with_optimizer: bool = True) -> dict:
     metadata = _metadata(state)
-    sd = {_model_key(state, i): _unwrap(chunk).sharded_state_dict(metadata=metadata) for i, chunk in enumerate(state.model)}
+    sd = {_model_key(state, i): unwrap(chunk).sharded_state_dict(metadata=metadata) for i, chunk in enumerate(state.model)}
     if with_optimizer:
         sd["optimizer"] = state.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=metadata)
         sd["opt_param_scheduler"] = state.scheduler.state_dict()
@@ -66,7 +62,7 @@ def load_checkpoint(state, directory: str, *, load_optim: bool = True) -> int:
     path = Path(directory) / f"iter_{iteration:07d}"
     loaded = dist_checkpointing.load(_sharded_state_dict(state, is_loading=True, with_optimizer=load_optim), str(path))
     for i, chunk in enumerate(state.model):
-        _unwrap(chunk).load_state_dict(loaded[_model_key(state, i)])
+        unwrap(chunk).load_state_dict(loaded[_model_key(state, i)])
     if load_optim:
         state.optimizer.load_state_dict(loaded["optimizer"])
         state.scheduler.load_state_dict(loaded["opt_param_scheduler"])

@@ -1,0 +1,64 @@
+"""Built-in training driver: a tiny GPT from megatron-core's local spec on mock data, any layout.
+
+Command line: `mm-adaptor train [Megatron-LM model/layout flags] [feature flags] [--nproc-per-node N]` launches its
+own local ranks (or runs under torchrun) and prints Megatron-style iteration lines.
+Python: `run(parse_args([...]))` trains in fresh local ranks and returns a Dump of what every rank recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from mm_adaptor.train.arguments import LayoutError, build_parser, finalize_args, parse_args
+from mm_adaptor.train.dump import Dump, RankDump, dump_entries, read_dump
+
+__all__ = ["main", "run", "parse_args", "build_parser", "finalize_args", "LayoutError", "Dump", "RankDump",
+           "dump_entries", "check_args"]
+
+
+def check_args(args: argparse.Namespace, world_size: int) -> None:
+    """Raise LayoutError or FeatureConfigError before any rank starts."""
+    from mm_adaptor import features
+
+    finalize_args(argparse.Namespace(**vars(args)), world_size)
+    features.validate(features.fill_defaults(args), features.enabled_features(args))
+
+
+def main(argv=None) -> int:
+    from mm_adaptor.features import FeatureConfigError
+    from mm_adaptor.launcher import LaunchError, launch, under_launcher
+    from mm_adaptor.train.loop import run_rank
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_args(args, int(os.environ["WORLD_SIZE"]) if under_launcher() else args.nproc_per_node)
+    except (LayoutError, FeatureConfigError) as exc:
+        parser.error(str(exc))
+    if under_launcher():
+        run_rank(args)
+        return 0
+    try:
+        launch(run_rank, (args,), nproc=args.nproc_per_node, timeout=args.timeout)
+    except LaunchError as exc:
+        print(f"mm-adaptor train: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(args: argparse.Namespace, *, echo: bool = False) -> Dump:
+    """Train with `args` (from parse_args) in fresh local ranks and return what every rank recorded.
+
+    Raises LayoutError / FeatureConfigError before starting, LaunchError when a rank fails or hangs."""
+    from mm_adaptor.launcher import launch
+    from mm_adaptor.train.loop import run_rank
+
+    args = argparse.Namespace(**vars(args))
+    check_args(args, args.nproc_per_node)
+    with tempfile.TemporaryDirectory(prefix="mm-adaptor-run-") as tmp:
+        args.dump, args.silent, args.quiet = tmp, not echo, echo
+        launch(run_rank, (args,), nproc=args.nproc_per_node, timeout=args.timeout)
+        return read_dump(tmp, args.nproc_per_node)

@@ -1,0 +1,5 @@
+import sys
+
+from mm_adaptor.train import main
+
+sys.exit(main())

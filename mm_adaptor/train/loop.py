@@ -1,0 +1,218 @@
+"""One rank's job: device backend, features, process groups, model, the training loop, checkpoints and the dump."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+from mm_adaptor.train.logs import StepRecord, describe_layout, format_iteration, print_last_rank, set_silent, summary
+
+
+@dataclass
+class RunState:
+    args: argparse.Namespace
+    model: list = field(default_factory=list)
+    optimizer: object = None
+    scheduler: object = None
+    iteration: int = 0
+    records: list = field(default_factory=list)
+    memory: dict = field(default_factory=dict)
+
+
+def loss_func(loss_mask, output_tensor):
+    import torch
+
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def measured_forward_step(state: RunState):
+    """forward_step that records saved-activation bytes per layer during its first call."""
+    from mm_adaptor.memory import SavedTensorAccountant
+
+    accountant = SavedTensorAccountant(state.model)
+
+    def step(data_iterator, model):
+        if "saved_bytes_per_layer" in state.memory:
+            return forward_step(data_iterator, model)
+        with accountant.hooks():
+            result = forward_step(data_iterator, model)
+        state.memory["saved_bytes_per_layer"] = accountant.bytes_per_layer()
+        accountant.close()
+        return result
+
+    return step
+
+
+def _set_seeds(seed: int) -> None:
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def train_step(state: RunState, data_iterators, forward_backward_func, step_func=forward_step, after_backward=None):
+    import torch
+    from megatron.core import parallel_state as ps
+
+    args = state.args
+    for chunk in state.model:
+        chunk.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    losses = forward_backward_func(
+        forward_step_func=step_func,
+        data_iterator=data_iterators if len(data_iterators) > 1 else data_iterators[0],
+        model=state.model,
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        decoder_seq_length=args.seq_length,
+        forward_only=False,
+    )
+    if after_backward is not None:
+        after_backward()
+    update_ok, grad_norm, _ = state.optimizer.step()
+    if update_ok:
+        state.scheduler.step(increment=args.global_batch_size)
+    loss = None
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        total = torch.vstack([x["lm loss"].view(-1) for x in losses]).sum(dim=0)
+        torch.distributed.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+        loss = float(total[0] / total[1])
+    return loss, (None if grad_norm is None else float(grad_norm))
+
+
+def _share_loss_from_last_stage(loss):
+    """Every rank learns the step's loss (it lives on the last pipeline stage)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([loss if loss is not None else 0.0, 1.0 if loss is not None else 0.0], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t[0] / t[1])
+
+
+def run_rank(args: argparse.Namespace) -> None:
+    """One rank's whole job: backend, features, process groups, model, loop, checkpoint, dump."""
+    import torch.distributed as dist
+
+    import mm_adaptor
+    from mm_adaptor import devices
+
+    set_silent(args.silent)
+    backend = devices.install()
+    mm_adaptor.enable(args)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend.dist_backend, rank=rank, world_size=world)
+    try:
+        _train(args, backend)
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        mm_adaptor.disable()
+
+
+def _build(args) -> RunState:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+    from mm_adaptor.train.arguments import finalize_args
+    from mm_adaptor.train.model import build_model, build_optimizer, connect_grad_sync, transformer_config, wrap_model
+
+    finalize_args(args, dist.get_world_size())
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+    )
+    init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size, args.micro_batch_size,
+                                     args.data_parallel_size)
+    _set_seeds(args.seed)
+    config = transformer_config(args)
+    state = RunState(args=args)
+    state.model = wrap_model(args, config, build_model(args, config))
+    state.optimizer, state.scheduler = build_optimizer(args, config, state.model)
+    config.grad_scale_func = state.optimizer.scale_loss
+    connect_grad_sync(args, config, state.model)
+    if args.load:
+        from mm_adaptor.train.checkpoint import load_checkpoint
+
+        state.iteration = load_checkpoint(state, args.load, load_optim=not args.no_load_optim)
+        print_last_rank(f" loaded checkpoint from {args.load} at iteration {state.iteration}")
+    return state
+
+
+def _train(args, backend) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from mm_adaptor.api import applied_features
+    from mm_adaptor.train.data import MockBatches
+    from mm_adaptor.train.dump import Recorder
+
+    state = _build(args)
+    recorder = Recorder(state.model) if args.dump else None
+    data = [MockBatches(args, ps.get_data_parallel_rank(), state.iteration) for _ in state.model]
+    fb = get_forward_backward_func()
+    tokens_per_step = args.global_batch_size * args.seq_length
+    layout = describe_layout(args)
+    if not args.quiet:
+        print_last_rank(f" mm-adaptor train: {layout} | device backend: {backend.describe()} | "
+                        f"features: {', '.join(applied_features()) or 'none'}")
+    start_iteration = state.iteration
+    while state.iteration < args.train_iters:
+        dist.barrier()
+        t0 = time.perf_counter()
+        measure = recorder is not None and state.iteration == start_iteration
+        loss, grad_norm = train_step(state, data, fb, measured_forward_step(state) if measure else forward_step,
+                                     after_backward=recorder.after_backward if recorder else None)
+        elapsed = time.perf_counter() - t0
+        state.iteration += 1
+        loss = _share_loss_from_last_stage(loss)
+        rec = StepRecord(state.iteration, loss, grad_norm, elapsed * 1000, state.optimizer.param_groups[0]["lr"],
+                         tokens_per_step / elapsed)
+        state.records.append(rec)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at iteration {state.iteration}")
+        if not args.quiet and state.iteration % args.log_interval == 0:
+            print_last_rank(format_iteration(args, rec, state.iteration * args.global_batch_size,
+                                             state.optimizer.get_loss_scale().item()))
+        if args.save and args.save_interval and state.iteration % args.save_interval == 0:
+            _save(state, args)
+    if args.save and (not args.save_interval or state.iteration % args.save_interval != 0):
+        _save(state, args)
+    if recorder is not None:
+        recorder.write(state, args.dump)
+    print_last_rank(summary(args, state.records, start_iteration, layout))
+
+
+def _save(state, args):
+    from mm_adaptor.train.checkpoint import save_checkpoint
+
+    save_checkpoint(state, args.save)
+    print_last_rank(f" saved checkpoint to {args.save} at iteration {state.iteration}")

@@ -1,0 +1,158 @@
+"""The driver's model: megatron-core's GPT on the local spec, wrapped in DDP (and Float16Module), and its optimizer."""
+
+from __future__ import annotations
+
+
+def unwrap(chunk):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def transformer_config(args):
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
+    ffn = args.ffn_hidden_size
+    if ffn is None:
+        ffn = int(args.hidden_size * 8 / 3) if args.swiglu else 4 * args.hidden_size
+        ffn = ((ffn + 63) // 64) * 64 if args.swiglu else ffn
+    kwargs = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=ffn,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention or args.num_query_groups else None,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        calculate_per_token_loss=True,
+        deallocate_pipeline_outputs=True,
+    )
+    if args.num_experts:
+        kwargs.update(
+            num_moe_experts=args.num_experts,
+            moe_router_topk=args.moe_router_topk,
+            moe_ffn_hidden_size=args.moe_ffn_hidden_size or ffn,
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+            moe_grouped_gemm=args.moe_grouped_gemm,
+            moe_router_dtype="fp32",
+        )
+    return TransformerConfig(**kwargs)
+
+
+def build_model(args, config):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
+                                    normalization=args.normalization)
+    vpp = args.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunks.append(GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=args.vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            parallel_output=True,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent,
+            vp_stage=stage,
+        ))
+    return chunks
+
+
+def wrap_model(args, config, chunks):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+    )
+    wrapped = []
+    for i, chunk in enumerate(chunks):
+        module = Float16Module(config, chunk) if (args.bf16 or args.fp16) else chunk
+        wrapped.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                               disable_bucketing=i > 0))
+    for chunk in wrapped:
+        chunk.broadcast_params()
+    return wrapped
+
+
+def build_optimizer(args, config, model):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16, params_dtype=config.params_dtype,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        loss_scale=None, initial_loss_scale=2.0**16 if args.fp16 else None,
+    )
+    optimizer = get_megatron_optimizer(opt_config, model)
+    decay_iters = max(1, args.train_iters)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
+        lr_decay_steps=decay_iters * args.global_batch_size, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=decay_iters * args.global_batch_size,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def connect_grad_sync(args, config, model) -> None:
+    """Hand megatron's schedules the hooks that overlap gradient reduction and parameter gathering."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config.finalize_model_grads_func = finalize_model_grads
+    single = len(model) == 1
+    if args.overlap_grad_reduce:
+        config.no_sync_func = [c.no_sync for c in model]
+        config.grad_sync_func = [c.start_grad_sync for c in model]
+        if single:
+            config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
+    if args.overlap_param_gather:
+        config.param_sync_func = [c.start_param_sync for c in model]
+        if single:
+            config.param_sync_func = config.param_sync_func[0]
