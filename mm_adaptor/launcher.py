@@ -71,6 +71,12 @@ def _rank_entry(fn, args, rank, world_size, port, threads, errors, rank_warnings
         raise SystemExit(1)
 
 
+# The free port is found by binding and releasing it, so another process can take it before rank 0 listens; the
+# ranks then fail while rendezvousing, before any work, and start again on a new port.
+PORT_ATTEMPTS = 3
+_PORT_TAKEN = ("EADDRINUSE", "address already in use")
+
+
 def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, timeout: float | None = None,
            threads_per_rank: int | None = None) -> None:
     """Run fn(*args) in `nproc` spawned ranks; raise LaunchError if any fails or time runs out."""
@@ -78,9 +84,17 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, timeout: flo
         raise ValueError(f"--nproc-per-node must be at least 1, got {nproc}")
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // nproc)
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _launch_once(fn, args, nproc, timeout, threads_per_rank, free_port())
+        except LaunchError as exc:
+            if attempt == PORT_ATTEMPTS or not any(text in str(exc) for text in _PORT_TAKEN):
+                raise
+
+
+def _launch_once(fn, args, nproc, timeout, threads_per_rank, port) -> None:
     ctx = mp.get_context("spawn")
     errors, rank_warnings = ctx.Queue(), ctx.Queue()
-    port = free_port()
     procs = [
         ctx.Process(target=_rank_entry, args=(fn, args, rank, nproc, port, threads_per_rank, errors, rank_warnings),
                     name=f"rank{rank}", daemon=False)

@@ -40,6 +40,27 @@ def test_success():
     launch(_ok, nproc=2, timeout=60)
 
 
+def _port_taken_on_first_try(marker):
+    import os
+    import pathlib
+
+    if os.environ["RANK"] == "0" and not pathlib.Path(marker).exists():
+        pathlib.Path(marker).write_text(os.environ["MASTER_PORT"])
+        raise RuntimeError("The server socket has failed to listen: EADDRINUSE, address already in use")
+
+
+def _always_port_taken():
+    raise RuntimeError("address already in use")
+
+
+def test_a_port_taken_by_another_process_is_retried_on_a_new_port(tmp_path):
+    marker = tmp_path / "first-port"
+    launch(_port_taken_on_first_try, (str(marker),), nproc=2, timeout=60)
+    assert marker.exists()
+    with pytest.raises(LaunchError, match="address already in use"):
+        launch(_always_port_taken, nproc=1, timeout=60)
+
+
 def _args(*argv):
     return build_parser().parse_args(list(argv))
 
