@@ -14,32 +14,14 @@ from mm_adaptor import features
 from mm_adaptor.features import Feature, FeatureConfigError, Flag
 from mm_adaptor.patches.transformer import fused_ops
 
+from conftest import one_gloo_rank
+
 
 @pytest.fixture(scope="module", autouse=True)
 def single_rank_megatron_module():
     """conftest's single_rank_megatron once for this module: installing the CPU backend costs seconds."""
-    import os
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from mm_adaptor import devices
-    from mm_adaptor.launcher import free_port
-
-    saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    devices.install("cpu")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-    devices.uninstall()
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    with one_gloo_rank():
+        yield
 
 
 @pytest.fixture
