@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import platform
 import sys
+import textwrap
 
 
 def _version(dist: str) -> str:
@@ -37,8 +39,14 @@ def report_lines() -> list[str]:
     lines.append(f"  torch.cuda available {torch.cuda.is_available()}")
     if not backend.verified_on_hardware:
         lines.append("  note                 this backend's code path has not been verified on hardware")
+    if name == "cpu" and not os.environ.get(devices.DEVICE_ENV, "").strip():
+        lines.append("  on purpose           no: chosen because no accelerator was found, so an NCCL process group "
+                     "(Megatron-LM's default --distributed-backend) is refused; --distributed-backend gloo or "
+                     f"{devices.DEVICE_ENV}=cpu trains on the CPU")
     lines.append("  npu                  " + ("torch_npu present" if _version("torch-npu") != "not installed"
                                               else "torch_npu not installed: NPU path not verified on hardware here"))
+    lines.append("")
+    lines.extend(backend_patch_lines(backend))
     lines.append("")
     ops = ops_status()
     lines.append(f"native ops ({', '.join(ops['ops'])})")
@@ -60,6 +68,35 @@ def report_lines() -> list[str]:
     return lines
 
 
+def _wrapped(label: str, text: str) -> list[str]:
+    return textwrap.wrap(text, width=116, initial_indent=f"    {label:<10} ", subsequent_indent=" " * 15)
+
+
+def backend_patch_lines(backend) -> list[str]:
+    """One section per patch set the backend applies with no feature flag: its device patches, then the
+    compatibility fixes megatron needs without Transformer Engine / Apex."""
+    try:
+        patch_sets = [*backend.core_patch_sets(), *backend.training_patch_sets()]
+    except Exception as exc:  # e.g. MM_ADAPTOR_DEVICE=cuda without a GPU
+        return [f"patches without a flag: cannot list them here: {exc}"]
+    lines = [f"patches without a flag (the {backend.name} backend applies these; mm_adaptor.applied() lists them "
+             f"under backend:{backend.name})"]
+    for patch_set in patch_sets:
+        lines.append(f"  {patch_set.name}: " + (f"not applied here: {patch_set.not_needed}" if patch_set.not_needed
+                                                 else f"{len(patch_set)} patch{'es' if len(patch_set) != 1 else ''}"))
+        if patch_set.needed_on:
+            lines.extend(_wrapped("needed on", patch_set.needed_on))
+        if patch_set.changes:
+            lines.extend(_wrapped("changes", patch_set.changes))
+        if patch_set.unpatched:
+            lines.extend(_wrapped("unpatched", patch_set.unpatched))
+        described = [f"{getattr(patch, 'mode', 'provide')} {patch.target}" for patch in patch_set]
+        shown = described if len(described) <= 4 else [*described[:3], f"... and {len(described) - 3} more"]
+        for index, text in enumerate(shown):
+            lines.append(f"    {'patches' if index == 0 else '':<10} {text}")
+    return lines
+
+
 def _megatron_lm_location() -> str:
     try:
         import importlib.util
@@ -77,33 +114,83 @@ def check_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="mm-adaptor check", allow_abbrev=False,
         description="Train the tiny GPT with the given features off and on (fresh processes, same seeds and data) "
-                    "and compare per-step losses, final gradients and parameters against the features' tolerance. "
-                    "Any other flag is passed to mm-adaptor train for both runs.")
+                    "and judge per-step losses, every step's gradients and the parameters against the features' "
+                    "tolerance. Any other flag is passed to mm-adaptor train for both runs.")
     parser.add_argument("--layout", default="tp2-sp",
                         help=f"one of {', '.join(harness.LAYOUTS)}, or 'all' (default tp2-sp)")
-    parser.add_argument("--iters", type=int, default=5, help="training steps per run (default 5)")
+    parser.add_argument("--iters", type=int, default=4, help="training steps per run (default 4)")
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--show-training", action="store_true", help="print both runs' iteration lines")
+    parser.add_argument("--no-baseline-cache", action="store_true",
+                        help="retrain the unpatched run even if an identical one is cached")
     args, rest = parser.parse_known_args(argv)
     feature_flags = {flag.option for _, flag in features_all_flags()}
     feature_args, extra = _split_feature_args(rest, feature_flags)
     layouts = list(harness.LAYOUTS) if args.layout == "all" else [args.layout]
     failed = []
-    for layout in layouts:
-        try:
-            result = harness.compare(feature_args, layout=layout, extra_args=extra, iters=args.iters,
-                                     nproc=args.nproc_per_node, timeout=args.timeout, echo=args.show_training)
-        except harness.HarnessError as exc:
-            print(f"mm-adaptor check: {exc}", file=sys.stderr)
-            return 2
-        print(harness.format_comparison(result), flush=True)
-        if not result.passed:
-            failed.append(layout)
+    with _baseline_cache(not args.no_baseline_cache):
+        for layout in layouts:
+            try:
+                result = harness.compare(feature_args, layout=layout, extra_args=extra, iters=args.iters,
+                                         nproc=args.nproc_per_node, timeout=args.timeout, echo=args.show_training)
+            except harness.HarnessError as exc:
+                print(f"mm-adaptor check: {exc}", file=sys.stderr)
+                return 2
+            print(harness.format_comparison(result), flush=True)
+            if not result.passed:
+                failed.append(layout)
     if len(layouts) > 1:
         print(f"summary: {len(layouts) - len(failed)}/{len(layouts)} layouts within tolerance"
               + (f"; outside: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
+
+
+def _baseline_cache(enabled: bool):
+    import contextlib
+    import os
+
+    from mm_adaptor.harness.baseline import CACHE_ENV
+
+    @contextlib.contextmanager
+    def switched():
+        before = os.environ.get(CACHE_ENV)
+        if not enabled:
+            os.environ[CACHE_ENV] = "off"
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(CACHE_ENV, None)
+            else:
+                os.environ[CACHE_ENV] = before
+
+    return switched()
+
+
+def calibrate_main(argv: list[str]) -> int:
+    from mm_adaptor import harness
+    from mm_adaptor.harness import calibration
+
+    parser = argparse.ArgumentParser(
+        prog="mm-adaptor calibrate", allow_abbrev=False,
+        description="Measure Megatron's own rounding noise: the unpatched tiny GPT against the same model with every "
+                    "matrix product summed in two halves of its inner dimension, in each layout, precision and model; "
+                    "prints the largest verdict statistics and the thresholds they imply.")
+    parser.add_argument("--layout", default="all", help=f"one of {', '.join(harness.LAYOUTS)}, or 'all' (default)")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "all"], default="all")
+    parser.add_argument("--model", choices=[*calibration.MODELS, "all"], default="all")
+    parser.add_argument("--iters", type=int, default=4)
+    args = parser.parse_args(argv)
+    pick = lambda value, choices: list(choices) if value == "all" else [value]  # noqa: E731
+    try:
+        rows = calibration.calibrate(pick(args.layout, harness.LAYOUTS), pick(args.precision, calibration.PRECISIONS),
+                                     pick(args.model, calibration.MODELS), iters=args.iters, progress=print)
+    except harness.HarnessError as exc:
+        print(f"mm-adaptor calibrate: {exc}", file=sys.stderr)
+        return 2
+    print(calibration.format_calibration(rows))
+    return 0
 
 
 def features_all_flags():
@@ -170,10 +257,12 @@ def fingerprint_main(argv: list[str]) -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="mm-adaptor", description="Acceleration adaptor for Megatron-Core.")
-    sub = parser.add_subparsers(dest="command", metavar="{report,train,check,build-ops,fingerprint}")
+    sub = parser.add_subparsers(dest="command", metavar="{report,train,check,calibrate,build-ops,fingerprint}")
     sub.add_parser("report", help="versions, device backend, native ops and every feature")
     sub.add_parser("train", help="train the built-in tiny GPT (see mm-adaptor train --help)", add_help=False)
     sub.add_parser("check", help="features off vs on: losses, gradients, memory (see mm-adaptor check --help)",
+                   add_help=False)
+    sub.add_parser("calibrate", help="measure Megatron's rounding noise, which sets check's inexact thresholds",
                    add_help=False)
     sub.add_parser("fingerprint", help="print the contract fingerprint of dotted targets (for patch authors)",
                    add_help=False)
@@ -188,6 +277,8 @@ def main(argv=None) -> int:
         return train_main(rest)
     if command == "check":
         return check_main(rest)
+    if command == "calibrate":
+        return calibrate_main(rest)
     if command == "fingerprint":
         return fingerprint_main(rest)
     if command == "build-ops":

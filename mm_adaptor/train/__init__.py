@@ -24,7 +24,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     from mm_adaptor import features
 
     finalize_args(argparse.Namespace(**vars(args)), world_size)
-    features.validate(features.fill_defaults(args), features.enabled_features(args))
+    options = features.fill_defaults(args)
+    features.validate(options, features.serving(options, features.enabled_features(options)))
 
 
 def main(argv=None) -> int:

@@ -1,9 +1,11 @@
-"""The regression harness, `mm-adaptor check`, and the first feature (--optimize-vocab-parallel-ce)."""
+"""The regression harness, `mm-adaptor check`, and the first feature (--optimize-vocab-parallel-ce); the harness's
+self-tests: deliberately wrong features it must reject, and the calibration its inexact thresholds rest on."""
 
 import pytest
 
 from mm_adaptor import harness
 from mm_adaptor.cli import main as cli_main
+from mm_adaptor.harness import calibration
 
 pytestmark = pytest.mark.distributed
 
@@ -14,25 +16,14 @@ def test_optimize_vocab_parallel_ce_is_bit_for_bit_in_every_layout(capsys, preci
     out = capsys.readouterr().out
     assert "summary: 6/6 layouts within tolerance" in out, out
     assert code == 0
-    assert out.count("verdict: PASS (bit-for-bit") == 6
+    assert out.count("verdict: PASS") == 6
+    assert out.count("tolerance: bit-for-bit") == 6, "the tolerance is printed once per layout"
 
 
 @pytest.fixture
-def broken_features(monkeypatch):
-    from mm_adaptor import features
-
-    monkeypatch.setenv(features.EXTRA_FEATURES_ENV, "broken_ce_feature")
-    import importlib
-    import sys
-
-    if "broken_ce_feature" in sys.modules:  # a previous test registered and then unregistered it
-        importlib.reload(sys.modules["broken_ce_feature"])
-    else:
-        importlib.import_module("broken_ce_feature")  # registers in this process too
-
-    yield
-    for name in ("test-broken-forward-ce", "test-broken-backward-ce"):
-        features.unregister(name)
+def broken_features():
+    with harness.extra_feature_module("broken_ce_feature"):
+        yield
 
 
 def test_wrong_forward_is_caught(broken_features):
@@ -51,6 +42,35 @@ def test_wrong_backward_is_caught_through_gradients(broken_features, capsys):
     result = harness.compare(["--use-test-broken-backward-ce"], layout="tp2", iters=1)
     assert result.loss_failures == [], "one step's loss is computed before the wrong backward runs"
     assert result.grads.failures, "only the gradient comparison can see this bug"
+
+
+SUBTLE_BUGS = {
+    # layer 1's MLP activation x 1.002 (computed in fp32, rounded once): half a bf16 ulp, but systematic
+    "--use-test-mlp-activation-off": "mlp",
+    # layer 1's linear_fc2 weight gradient x 0.98 (Adam hides it from the parameters)
+    "--use-test-fc2-wgrad-off": "layers.0.mlp.linear_fc2.weight",
+}
+
+
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bug", list(SUBTLE_BUGS))
+def test_subtle_inexact_bugs_fail(bug, precision):
+    """Features that claim the fused kernels' tolerance but are wrong by 0.2% or 2% in one place must fail."""
+    with harness.extra_feature_module("subtle_bug_features"):
+        result = harness.compare([bug], layout="tp2-sp", extra_args=precision, iters=4)
+    assert not result.tolerance.exact
+    assert not result.passed, harness.format_comparison(result)
+    located = result.activations.failures + result.grads.failures
+    assert any(SUBTLE_BUGS[bug] in failure for failure in located), harness.format_comparison(result)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_different_rounding_of_the_same_math_passes(precision):
+    """The other side of the self-test: a second rounding perturbation (matrix products split at a third instead of
+    a half) is a legitimate change and must pass against the limits the first one set; it must change something."""
+    row, = calibration.calibrate(["tp2-sp"], [precision], ["llama"])
+    assert max(row.second.values()) <= 1.0, row
+    assert row.noise["gradients"]["rel_norm"] > 0, "the perturbation must change something, or it calibrates nothing"
 
 
 def test_check_refuses_flags_that_enable_nothing(capsys):

@@ -1,13 +1,23 @@
+import math
+
 import pytest
+import torch
 
 from mm_adaptor import harness
 from mm_adaptor.cli import _split_feature_args
-from mm_adaptor.features import Tolerance
+from mm_adaptor.harness import verdict
 
 
 def test_tolerance_of_an_exact_feature():
     tol = harness.tolerance_for(["--optimize-vocab-parallel-ce"])
     assert tol.exact and "--optimize-vocab-parallel-ce" in tol.why
+
+
+def test_tolerance_of_inexact_features_names_each_and_takes_the_largest_factor():
+    tol = harness.tolerance_for(["--use-fused-rmsnorm", "--optimize-vocab-parallel-ce", "--use-fused-swiglu"])
+    assert not tol.exact
+    assert "--use-fused-rmsnorm" in tol.why and "--use-fused-swiglu" in tol.why
+    assert "--optimize-vocab-parallel-ce" not in tol.why
 
 
 def test_no_feature_is_an_error():
@@ -21,13 +31,100 @@ def test_feature_flags_are_split_from_training_flags():
     assert feats == ["--optimize-vocab-parallel-ce"] and rest == ["--bf16", "--num-layers", "2"]
 
 
-def test_losses_compared_exactly_or_with_tolerance():
-    exact = Tolerance(exact=True)
-    assert harness._loss_failures([1.0, 2.0], [1.0, 2.0 + 1e-15], exact) == [2]
-    loose = Tolerance(exact=False, rtol=1e-6, atol=0.0)
-    assert harness._loss_failures([1.0, 2.0], [1.0, 2.0 + 1e-9], loose) == []
+def _dump(losses=(1.0,), grads=None, activations=None, params=None, initial=None):
+    from mm_adaptor.train import Dump, RankDump
+
+    rank = RankDump(rank=0, losses=list(losses), grad_norms=[None] * len(losses), grads=grads or [],
+                    activations=activations or {}, params=params or {}, initial_params=initial or {})
+    return Dump(ranks=[rank])
+
+
+def test_kinds_group_layers_experts_and_chunks():
+    assert verdict.kind_of("chunk1.module.decoder.layers.3.mlp.local_experts.2.linear_fc1.weight") == \
+        "module.decoder.layers.*.mlp.local_experts.*.linear_fc1.weight"
+    assert verdict.kind_of("chunk0.L12.self_attention") == "L*.self_attention"
+
+
+def test_bit_for_bit_verdict_reports_any_difference():
+    off = _dump(losses=[2.0], grads=[{"a": torch.ones(3), "b": torch.ones(3)}])
+    on = _dump(losses=[2.0], grads=[{"a": torch.ones(3), "b": torch.tensor([1.0, 1.0, 1.0 + 2**-20])}])
+    verdicts = verdict.judge(off, on, verdict.Limits("fp32", None))
+    assert [f.split(":")[0] for f in verdicts["gradients"].failures] == ["step 1 rank 0 b"]
+    assert not verdicts["loss"].failures
+
+
+def test_limits_follow_the_noise_of_the_same_kind_with_a_one_rounding_floor():
+    torch.manual_seed(0)
+    g = torch.randn(1000)
+    noisy = {"layers.0.w": g, "layers.1.w": g}
+    off = _dump(grads=[noisy])
+    noise = _dump(grads=[{"layers.0.w": g * (1 + 1e-4 * torch.randn(1000)), "layers.1.w": g}])
+    table = verdict.noise_table(off, noise)
+    limits = verdict.Limits("fp32", table)
+    point = verdict.Point("gradients", 1, 0, "layers.1.w", g, g)
+    k = verdict.K_FIRST_STEP
+    assert limits.of(point, "rel_norm") == pytest.approx(k * 1e-4, rel=0.1), "layer 0's noise covers layer 1"
+    assert limits.of(verdict.Point("gradients", 1, 0, "other", g, g), "rel_norm") == \
+        k * verdict.UNIT_ROUNDOFF["fp32"], "no noise measured: the floor"
+    later = verdict.Point("gradients", 2, 0, "other", g, g)
+    assert limits.of(later, "rel_norm") == verdict.K_LATER_STEPS * verdict.UNIT_ROUNDOFF["fp32"]
+    spread = verdict.ISOTROPIC_ALLOWANCE * limits.of(point, "rel_norm") / k / 1000**0.5
+    assert limits.of(point, "scale") == pytest.approx(k * max(spread, verdict.floors("fp32")["scale"]), rel=1e-6), \
+        "a scale noise sample smaller than the noise's norm spread over 1000 elements is not trusted"
+    fine = _dump(grads=[{"layers.0.w": g * (1 + 1e-4 * torch.randn(1000)), "layers.1.w": g}])
+    assert not verdict.judge(off, fine, limits)["gradients"].failures
+    scaled = _dump(grads=[{"layers.0.w": g, "layers.1.w": g * 1.002}])
+    failures = verdict.judge(off, scaled, limits)["gradients"].failures
+    assert len(failures) == 1 and "scale 2.00e-03" in failures[0]
+
+
+def test_statistics_separate_a_scale_error_from_noise_of_the_same_size():
+    torch.manual_seed(0)
+    off = torch.randn(4096)
+    noise = off + 2e-3 * off.abs().mean() * torch.randn(4096)
+    scaled = off * 1.002
+    s_noise, s_scaled = verdict.statistics(off, noise), verdict.statistics(off, scaled)
+    assert s_noise["rel_norm"] == pytest.approx(s_scaled["rel_norm"], rel=0.5)
+    assert s_scaled["scale"] == pytest.approx(2e-3, rel=1e-4)  # the product rounds in float32
+    assert s_noise["scale"] < s_scaled["scale"] / 20
+
+
+def test_statistics_of_zero_and_equal_tensors():
+    zero = torch.zeros(3)
+    assert verdict.statistics(zero, zero) == dict.fromkeys(verdict.STATISTICS, 0.0)
+    assert all(math.isinf(v) for v in verdict.statistics(zero, torch.ones(3)).values())
+    stats = verdict.statistics(torch.ones(4), torch.tensor([1.0, 1.0, 1.0, 1.5]))
+    assert stats["rel_max"] == pytest.approx(0.5) and stats["rel_norm"] == pytest.approx(0.25)
+
+
+def test_parameters_are_judged_by_what_training_changed():
+    initial = {"w": torch.full((10,), 100.0)}
+    off = _dump(params={"w": torch.full((10,), 100.01)}, initial=initial)
+    on = _dump(params={"w": torch.full((10,), 99.99)}, initial=initial)
+    verdicts = verdict.judge(off, on, verdict.Limits("bf16", {}))
+    assert verdicts["parameters"].failures, "an update the other way fails although the values differ by 2e-4"
+    close = _dump(params={"w": torch.full((10,), 100.015)}, initial=initial)
+    assert not verdict.judge(off, close, verdict.Limits("bf16", {}))["parameters"].failures
+
+
+def test_a_tensor_recorded_in_one_run_only_fails():
+    off = _dump(activations={"chunk0.L1.mlp": torch.ones(2)})
+    on = _dump(activations={})
+    assert "recorded in only one run" in verdict.judge(off, on, verdict.Limits("fp32", {}))["activations"].failures[0]
+
+
+def test_floors_are_one_rounding_of_each_precision():
+    for precision in ("fp32", "bf16", "fp16"):
+        floors = verdict.floors(precision)
+        assert floors["rel_norm"] == verdict.UNIT_ROUNDOFF[precision]
+        assert 0 < floors["scale"] < floors["rel_norm"] < floors["rel_max"]
 
 
 def test_unknown_layout():
     with pytest.raises(harness.HarnessError, match="unknown layout"):
         harness.compare(["--optimize-vocab-parallel-ce"], layout="tp9")
+
+
+def test_bad_configuration_is_refused_before_anything_trains():
+    with pytest.raises(harness.HarnessError, match="--normalization RMSNorm"):
+        harness.compare(["--use-fused-rmsnorm"], layout="tp2", timeout=1)

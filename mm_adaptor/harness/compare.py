@@ -1,0 +1,188 @@
+"""Features off vs on: the same tiny GPT trained in fresh ranks with the same seeds and data, judged by verdict.py."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mm_adaptor import features
+from mm_adaptor.features import Tolerance
+from mm_adaptor.harness import verdict
+from mm_adaptor.harness.verdict import GroupVerdict, Limits
+
+# Tiny models (2 layers; the interleaved schedule needs 2 per stage) keep a comparison to seconds.
+LAYOUTS: dict[str, list[str]] = {
+    "tp2": ["--num-layers", "2", "--tensor-model-parallel-size", "2"],
+    "tp2-sp": ["--num-layers", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "pp2": ["--num-layers", "2", "--pipeline-model-parallel-size", "2"],
+    "pp2-vpp2": ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                 "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8"],
+    "dp2-distopt": ["--num-layers", "2", "--use-distributed-optimizer", "--overlap-grad-reduce"],
+    "ep2-moe": ["--num-layers", "2", "--num-experts", "4", "--expert-model-parallel-size", "2"],
+}
+
+
+class HarnessError(RuntimeError):
+    pass
+
+
+@dataclass
+class Comparison:
+    layout: str
+    precision: str
+    feature_args: list[str]
+    tolerance: Tolerance
+    limits: Limits
+    losses_off: list[float]
+    losses_on: list[float]
+    verdicts: dict[str, GroupVerdict]
+    memory_off: dict = field(default_factory=dict)
+    memory_on: dict = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return not any(v.failures for v in self.verdicts.values())
+
+    @property
+    def loss_failures(self) -> list[str]:
+        return self.verdicts["loss"].failures
+
+    @property
+    def activations(self) -> GroupVerdict:
+        return self.verdicts["activations"]
+
+    @property
+    def grads(self) -> GroupVerdict:
+        return self.verdicts["gradients"]
+
+    @property
+    def params(self) -> GroupVerdict:
+        return self.verdicts["parameters"]
+
+
+def _features_switched_on(flags: list[str]) -> list[features.Feature]:
+    parser = features.add_arguments(argparse.ArgumentParser(add_help=False))
+    options, _ = parser.parse_known_args(flags)
+    return features.enabled_features(options)
+
+
+def tolerance_for(feature_args: list[str]) -> Tolerance:
+    """The loosest tolerance among the features switched on by these flags (bit-for-bit if all are)."""
+    enabled = _features_switched_on(feature_args)
+    if not enabled:
+        raise HarnessError(f"no feature is switched on by {' '.join(feature_args) or '(no flags)'}")
+    inexact = [f for f in enabled if not f.tolerance.exact]
+    why = "; ".join(f"{f.main_flag.option}: {f.tolerance.why}" for f in (inexact or enabled))
+    if not inexact:
+        return Tolerance(exact=True, why=why)
+    return Tolerance(exact=False, why=why, factor=max(f.tolerance.factor for f in inexact))
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    from mm_adaptor.train import build_parser
+
+    parser = build_parser(prog="mm-adaptor check")
+    parser.exit_on_error = False
+    try:
+        return parser.parse_args(argv)
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise HarnessError(f"bad training arguments {' '.join(argv)}: {exc}") from None
+
+
+def _checked(args: argparse.Namespace) -> argparse.Namespace:
+    from mm_adaptor.train import LayoutError, check_args
+
+    try:
+        check_args(args, args.nproc_per_node)
+    except (LayoutError, features.FeatureConfigError) as exc:
+        raise HarnessError(str(exc)) from None
+    return args
+
+
+def _run(run, args, echo):
+    from mm_adaptor.launcher import LaunchError
+
+    try:
+        return run(args, echo=echo)
+    except LaunchError as exc:
+        raise HarnessError(f"training failed: {exc}") from None
+
+
+def compare(feature_args: list[str], *, layout: str | None = None, extra_args: list[str] = (),
+            iters: int = 4, nproc: int = 2, timeout: float = 600.0, tolerance: Tolerance | None = None,
+            echo: bool = False, require_features: bool = True) -> Comparison:
+    """Train with `feature_args` off and on; judge losses, every step's gradients and the parameters.
+
+    With require_features=False (and an explicit tolerance) any training flag can be compared, e.g. a
+    compatibility path the adaptor provides without a feature flag. Both configurations are checked before
+    anything trains; the unpatched run comes from the baseline cache when an identical one exists."""
+    from mm_adaptor import train
+    from mm_adaptor.harness import baseline
+
+    if not require_features and tolerance is None:
+        raise HarnessError("comparing flags that are not features needs an explicit tolerance")
+    if layout is not None and layout not in LAYOUTS:
+        raise HarnessError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+    switched_on = _features_switched_on(list(feature_args))
+    omitted = {flag for feature in switched_on for flag in feature.unpatched_baseline_omits}
+    feature_args = [*feature_args, *(a for a in extra_args if a in omitted)]
+    extra_args = [a for a in extra_args if a not in omitted]
+    tol = tolerance or tolerance_for(list(feature_args))
+    base = [*(LAYOUTS[layout] if layout else []), *extra_args, "--train-iters", str(iters),
+            "--nproc-per-node", str(nproc), "--timeout", str(timeout)]
+    off_args, on_args = _checked(_parse(base)), _checked(_parse([*base, *feature_args]))
+    with tempfile.TemporaryDirectory(prefix="mm-adaptor-check-") as tmp:
+        if any(f.changes_parameter_layout for f in switched_on):
+            # Different parameter layouts initialise differently: both runs start from the off run's init.
+            init = _run(lambda a, echo: baseline.initial_checkpoint(a, Path(tmp), echo=echo), off_args, echo)
+            for args in (off_args, on_args):
+                args.load, args.no_load_optim = str(init), True
+        off = _run(baseline.cached_run, off_args, echo)
+        noise = None if tol.exact else _run(rounding_noise_run, off_args, echo)
+        on = _run(train.run, on_args, echo)
+    if require_features and not on.features:
+        raise HarnessError(f"{' '.join(feature_args)} applied no feature in the training run")
+    precision = verdict.precision_of(vars(on_args))
+    limits = verdict.limits_for(tol, precision, noise and verdict.noise_table(off, noise))
+    return Comparison(
+        layout=layout or "custom", precision=precision, feature_args=list(feature_args), tolerance=tol,
+        limits=limits, losses_off=off.losses, losses_on=on.losses, verdicts=verdict.judge(off, on, limits),
+        memory_off=off.memory, memory_on=on.memory,
+    )
+
+
+def rounding_noise_run(off_args: argparse.Namespace, *, echo: bool = False):
+    """The unpatched configuration with the calibration perturbation (cached like the baseline)."""
+    from mm_adaptor.harness import baseline, calibration
+
+    with extra_feature_module(calibration.MODULE):
+        args = argparse.Namespace(**vars(off_args))
+        setattr(args, calibration.SplitKPerturbation.flags[0].dest, True)
+        return baseline.cached_run(args, echo=echo)
+
+
+@contextlib.contextmanager
+def extra_feature_module(module: str):
+    """Register the features of `module` here and in the training ranks (MM_ADAPTOR_FEATURE_MODULES) meanwhile."""
+    import importlib
+    import os
+
+    before = os.environ.get(features.EXTRA_FEATURES_ENV)
+    os.environ[features.EXTRA_FEATURES_ENV] = ",".join(filter(None, [before, module]))
+    registered_before = {f.name for f in features.all_features()}
+    loaded = importlib.import_module(module)
+    if not any(type(f).__module__ == module for f in features.all_features()):  # unregistered since its import
+        importlib.reload(loaded)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(features.EXTRA_FEATURES_ENV, None)
+        else:
+            os.environ[features.EXTRA_FEATURES_ENV] = before
+        for feature in features.all_features():
+            if feature.name not in registered_before:
+                features.unregister(feature.name)
