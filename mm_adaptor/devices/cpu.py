@@ -98,12 +98,48 @@ _SPECIAL = {
 }
 
 
+_BACKWARD_ARGUMENTS = {
+    torch.autograd.backward: ("tensors", "grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs"),
+    torch.Tensor.backward: ("tensors", "grad_tensors", "retain_graph", "create_graph", "inputs"),
+}
+
+
+def _backward_keeping_mode(mode, func, args, kwargs):
+    """A mode is off while it handles a call, and the autograd engine runs a graph under the modes active when it
+    starts: a backward started through dispatch (megatron's activation recompute calls torch.autograd.backward
+    inside its own backward) would run without this one. So the engine is started directly with the mode on, as
+    megatron's custom_backward does; unusual arguments keep torch's own path."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    bound = dict(zip(_BACKWARD_ARGUMENTS[func], args))
+    bound.update(kwargs)
+    if "gradient" in bound:
+        bound["grad_tensors"] = bound.pop("gradient")
+    tensors, inputs = bound.get("tensors"), bound.get("inputs")
+    plain = lambda x: isinstance(x, torch.Tensor) or (  # noqa: E731
+        isinstance(x, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in x))
+    if bound.get("grad_variables") is not None or not plain(tensors) or (inputs is not None and not plain(inputs)):
+        return func(*args, **kwargs)
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(bound.get("grad_tensors"), len(tensors)),
+                        is_grads_batched=False)
+    create_graph = bool(bound.get("create_graph", False))
+    retain_graph = bound.get("retain_graph")
+    with mode:
+        _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph,
+                             inputs, allow_unreachable=True, accumulate_grad=True)
+
+
 class CudaToCpuMode(TorchFunctionMode):
     """Maps CUDA device arguments to the CPU for every torch call made while installed."""
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        if func in _BACKWARD_ARGUMENTS:
+            return _backward_keeping_mode(self, func, args, kwargs)
         special = _SPECIAL.get(func)
         if special is not None:
             return special(func, args, kwargs)

@@ -25,6 +25,40 @@ def test_device_arguments_naming_cuda_land_on_cpu(backend):
     assert torch.ones(2, pin_memory=True).device.type == "cpu"
 
 
+class _AllocatesOnCudaInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2 + torch.zeros(grad.shape, device=torch.cuda.current_device())
+
+
+class _BackwardInsideBackward(torch.autograd.Function):
+    """What megatron's CheckpointFunction does: its backward reruns forward and calls torch.autograd.backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            y = _AllocatesOnCudaInBackward.apply(x)
+        torch.autograd.backward(y, grad)
+        return x.grad
+
+
+def test_cuda_device_arguments_inside_a_backward_started_within_a_backward(backend):
+    x = torch.ones(3, requires_grad=True)
+    _BackwardInsideBackward.apply(x).sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+
+
 def test_cuda_type_names_for_megatron_comparisons(backend):
     assert torch.ones(1).type() == "torch.cuda.FloatTensor"
     assert torch.ones(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
