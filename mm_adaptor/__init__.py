@@ -6,6 +6,14 @@ backend's patches; `mm_adaptor.applied_features()` for the features alone), `mm_
 """
 
 from mm_adaptor._version import __version__
-from mm_adaptor.api import applied, applied_features, disable, enable
 
 __all__ = ["__version__", "enable", "disable", "applied", "applied_features"]
+
+
+def __getattr__(name: str):
+    # The API imports torch; loading it on first use keeps `mm-adaptor --help` and argument errors fast.
+    if name in ("enable", "disable", "applied", "applied_features"):
+        from mm_adaptor import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'mm_adaptor' has no attribute {name!r}")

@@ -1,27 +1,30 @@
-"""`mm-adaptor` command line: report, train (and check once the harness lands)."""
+"""`mm-adaptor` command line: report, train, check, calibrate, build-ops, fingerprint.
+
+Every command's parser prints an error as one line and exits with 2; torch and megatron are imported only by the
+commands that need them, so `mm-adaptor --help` and argument errors are fast."""
 
 from __future__ import annotations
 
-import argparse
-import importlib.metadata
 import os
 import platform
 import sys
 import textwrap
 
+from mm_adaptor.arguments_errors import ArgumentParser, did_you_mean
+
 
 def _version(dist: str) -> str:
+    import importlib.metadata
+
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
 
 
-def report_lines() -> list[str]:
-    import torch
-
-    from mm_adaptor import __version__, devices, features
-    from mm_adaptor.ops import status as ops_status
+def report_lines():
+    """The report, line by line; the versions come before torch is imported, so the first lines are immediate."""
+    from mm_adaptor import __version__
 
     lines = [f"mm_adaptor {__version__}  (Python {platform.python_version()}, {platform.machine()})", ""]
     lines.append("versions")
@@ -31,6 +34,13 @@ def report_lines() -> list[str]:
     megatron_lm = _megatron_lm_location()
     lines.append(f"  {'megatron.training':<20} {megatron_lm}")
     lines.append("")
+    yield from lines
+    lines = []
+    import torch
+
+    from mm_adaptor import devices, features
+    from mm_adaptor.ops import status as ops_status
+
     name, why = devices.choose()
     backend = devices.make(name)
     lines.append("device backend")
@@ -65,7 +75,7 @@ def report_lines() -> list[str]:
         lines.append(f"    flags      {' '.join(flag.option for flag in feature.flags)}")
         lines.append(f"    tolerance  {feature.tolerance.describe()}")
         lines.append(f"    runs here  {'yes' if ok else 'no: ' + why_not}")
-    return lines
+    yield from lines
 
 
 def _wrapped(label: str, text: str) -> list[str]:
@@ -107,12 +117,22 @@ def _megatron_lm_location() -> str:
     return spec.origin if spec and spec.origin else "not importable (Megatron-LM is optional)"
 
 
+def _print_errors(prog: str, error: object) -> int:
+    """One line per problem in `error`; the exit status of a refused configuration."""
+    for line in str(error).splitlines():
+        if line.strip():
+            print(f"{prog}: error: {' '.join(line.split())}", file=sys.stderr)
+    return 2
+
+
 def check_main(argv: list[str]) -> int:
     """mm-adaptor check --use-X [...] [--layout L|all] [--bf16] [model/layout flags]."""
     from mm_adaptor import harness
+    from mm_adaptor.harness.compare import TRAIN_FLAGS_HINT, checked_args
+    from mm_adaptor.train import build_parser
 
-    parser = argparse.ArgumentParser(
-        prog="mm-adaptor check", allow_abbrev=False,
+    parser = ArgumentParser(
+        prog="mm-adaptor check", help_hint=TRAIN_FLAGS_HINT,
         description="Train the tiny GPT with the given features off and on (fresh processes, same seeds and data) "
                     "and judge per-step losses, every step's gradients and the parameters against the features' "
                     "tolerance. Any other flag is passed to mm-adaptor train for both runs.")
@@ -125,18 +145,37 @@ def check_main(argv: list[str]) -> int:
     parser.add_argument("--no-baseline-cache", action="store_true",
                         help="retrain the unpatched run even if an identical one is cached")
     args, rest = parser.parse_known_args(argv)
+    if args.layout != "all" and args.layout not in harness.LAYOUTS:
+        parser.fail(f"--layout {args.layout}: not a layout: choose one of {', '.join(harness.LAYOUTS)} or all"
+                    + (f"; {did_you_mean(args.layout, harness.LAYOUTS)}" if did_you_mean(args.layout, harness.LAYOUTS)
+                       else ""))
+    for flag, value in (("--iters", args.iters), ("--nproc-per-node", args.nproc_per_node)):
+        if value < 1:
+            parser.fail(f"{flag} {value}: must be at least 1")
+    if not args.timeout > 0:
+        parser.fail(f"--timeout {args.timeout}: must be more than 0")
+    # Flags meant for the training runs: an unknown one or a bad value is refused here, with suggestions.
+    train_parser = build_parser(prog="mm-adaptor check")
+    train_parser.also_valid, train_parser.help_hint = parser.flags(), TRAIN_FLAGS_HINT
+    train_parser.parse_args(rest)
     feature_flags = {flag.option for _, flag in features_all_flags()}
     feature_args, extra = _split_feature_args(rest, feature_flags)
     layouts = list(harness.LAYOUTS) if args.layout == "all" else [args.layout]
     failed = []
+    for layout in layouts:  # every layout's configuration is checked before the first one trains
+        try:
+            checked_args([*harness.LAYOUTS[layout], *extra, *feature_args, "--train-iters", str(args.iters),
+                          "--nproc-per-node", str(args.nproc_per_node), "--timeout", str(args.timeout)])
+        except harness.HarnessError as exc:
+            where = f"layout {layout}: " if len(layouts) > 1 else ""
+            return _print_errors(parser.prog, "\n".join(where + line for line in str(exc).splitlines()))
     with _baseline_cache(not args.no_baseline_cache):
         for layout in layouts:
             try:
                 result = harness.compare(feature_args, layout=layout, extra_args=extra, iters=args.iters,
                                          nproc=args.nproc_per_node, timeout=args.timeout, echo=args.show_training)
             except harness.HarnessError as exc:
-                print(f"mm-adaptor check: {exc}", file=sys.stderr)
-                return 2
+                return _print_errors(parser.prog, exc)
             print(harness.format_comparison(result), flush=True)
             if not result.passed:
                 failed.append(layout)
@@ -172,23 +211,24 @@ def calibrate_main(argv: list[str]) -> int:
     from mm_adaptor import harness
     from mm_adaptor.harness import calibration
 
-    parser = argparse.ArgumentParser(
-        prog="mm-adaptor calibrate", allow_abbrev=False,
+    parser = ArgumentParser(
+        prog="mm-adaptor calibrate",
         description="Measure Megatron's own rounding noise: the unpatched tiny GPT against the same model with every "
                     "matrix product summed in two halves of its inner dimension, in each layout, precision and model; "
                     "prints the largest verdict statistics and the thresholds they imply.")
-    parser.add_argument("--layout", default="all", help=f"one of {', '.join(harness.LAYOUTS)}, or 'all' (default)")
+    parser.add_argument("--layout", choices=[*harness.LAYOUTS, "all"], default="all")
     parser.add_argument("--precision", choices=["fp32", "bf16", "all"], default="all")
     parser.add_argument("--model", choices=[*calibration.MODELS, "all"], default="all")
     parser.add_argument("--iters", type=int, default=4)
     args = parser.parse_args(argv)
+    if args.iters < 1:
+        parser.fail(f"--iters {args.iters}: must be at least 1")
     pick = lambda value, choices: list(choices) if value == "all" else [value]  # noqa: E731
     try:
         rows = calibration.calibrate(pick(args.layout, harness.LAYOUTS), pick(args.precision, calibration.PRECISIONS),
                                      pick(args.model, calibration.MODELS), iters=args.iters, progress=print)
     except harness.HarnessError as exc:
-        print(f"mm-adaptor calibrate: {exc}", file=sys.stderr)
-        return 2
+        return _print_errors(parser.prog, exc)
     print(calibration.format_calibration(rows))
     return 0
 
@@ -221,13 +261,13 @@ def _split_feature_args(argv: list[str], feature_flags: set[str]) -> tuple[list[
 
 
 def build_ops_main(argv: list[str]) -> int:
-    from mm_adaptor.ops import builder
-
-    parser = argparse.ArgumentParser(prog="mm-adaptor build-ops",
-                                     description="Build the native ops ahead of time into the shared cache.")
+    parser = ArgumentParser(prog="mm-adaptor build-ops",
+                            description="Build the native ops ahead of time into the shared cache.")
     parser.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
     args = parser.parse_args(argv)
+    from mm_adaptor.ops import builder
+
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     failed = False
     for device in devices:
@@ -242,53 +282,80 @@ def build_ops_main(argv: list[str]) -> int:
 
 
 def fingerprint_main(argv: list[str]) -> int:
-    from mm_adaptor.patching import fingerprint, resolve
+    parser = ArgumentParser(prog="mm-adaptor fingerprint",
+                            description="Print the contract fingerprint of each dotted target (module.attribute or "
+                                        "module.Class.method), for patch authors.")
+    parser.add_argument("targets", nargs="+", metavar="DOTTED.TARGET")
+    args = parser.parse_args(argv)
+    from mm_adaptor.patching import PatchError, fingerprint, resolve
 
-    if not argv:
-        print("usage: mm-adaptor fingerprint DOTTED.TARGET [...]", file=sys.stderr)
-        return 2
-    for target in argv:
-        owner, name = resolve(target)
-        original = owner.__dict__[name] if isinstance(owner, type) and name in owner.__dict__ else getattr(owner, name)
-        print(f"{target} {fingerprint(original)}")
+    lines = []
+    for target in args.targets:  # all resolved before anything is printed
+        try:
+            owner, name = resolve(target)
+        except PatchError as exc:
+            parser.fail(str(exc))
+        except Exception as exc:  # the target's module raised while importing
+            parser.fail(f"cannot resolve {target!r}: importing it raised {type(exc).__name__}: {exc}")
+        if isinstance(owner, type) and name in owner.__dict__:
+            original = owner.__dict__[name]
+        elif hasattr(owner, name):
+            original = getattr(owner, name)
+        else:
+            parser.fail(f"cannot resolve {target!r}: {getattr(owner, '__name__', owner)} has no attribute {name!r}")
+        lines.append(f"{target} {fingerprint(original)}")
+    print("\n".join(lines))
     return 0
+
+
+def report_main(argv: list[str]) -> int:
+    parser = ArgumentParser(prog="mm-adaptor report",
+                            description="Versions, device backend, native ops and every feature (imports torch, "
+                                        "which is most of its time).")
+    parser.parse_args(argv)
+    for line in report_lines():
+        print(line, flush=True)
+    return 0
+
+
+def _train_main(argv: list[str]) -> int:
+    from mm_adaptor.train import main as train_main
+
+    return train_main(argv)
+
+
+COMMANDS = {
+    "report": (report_main, "versions, device backend, native ops and every feature"),
+    "train": (_train_main, "train the built-in tiny GPT (see mm-adaptor train --help)"),
+    "check": (check_main, "features off vs on: losses, gradients, memory (see mm-adaptor check --help)"),
+    "calibrate": (calibrate_main, "measure Megatron's rounding noise, which sets check's inexact thresholds"),
+    "fingerprint": (fingerprint_main, "print the contract fingerprint of dotted targets (for patch authors)"),
+    "build-ops": (build_ops_main, "build the native ops ahead of time"),
+}
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="mm-adaptor", description="Acceleration adaptor for Megatron-Core.")
-    sub = parser.add_subparsers(dest="command", metavar="{report,train,check,calibrate,build-ops,fingerprint}")
-    sub.add_parser("report", help="versions, device backend, native ops and every feature")
-    sub.add_parser("train", help="train the built-in tiny GPT (see mm-adaptor train --help)", add_help=False)
-    sub.add_parser("check", help="features off vs on: losses, gradients, memory (see mm-adaptor check --help)",
-                   add_help=False)
-    sub.add_parser("calibrate", help="measure Megatron's rounding noise, which sets check's inexact thresholds",
-                   add_help=False)
-    sub.add_parser("fingerprint", help="print the contract fingerprint of dotted targets (for patch authors)",
-                   add_help=False)
-    sub.add_parser("build-ops", help="build the native ops ahead of time", add_help=False)
+    parser = ArgumentParser(prog="mm-adaptor", description="Acceleration adaptor for Megatron-Core.",
+                            help_hint="`mm-adaptor --help` lists the commands")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    for name, (_run, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     if not argv:
         parser.print_help()
         return 2
     command, rest = argv[0], argv[1:]
-    if command == "train":
-        from mm_adaptor.train import main as train_main
+    if command in COMMANDS:
+        from mm_adaptor.output import PRINTER
 
-        return train_main(rest)
-    if command == "check":
-        return check_main(rest)
-    if command == "calibrate":
-        return calibrate_main(rest)
-    if command == "fingerprint":
-        return fingerprint_main(rest)
-    if command == "build-ops":
-        return build_ops_main(rest)
-    args = parser.parse_args(argv)
-    if args.command == "report":
-        print("\n".join(report_lines()))
-        return 0
-    parser.print_help()
-    return 2
+        try:
+            return COMMANDS[command][0](rest)
+        finally:
+            PRINTER.close()  # the count of known-harmless warnings the ranks gave, in one line
+    if command.startswith("-"):
+        parser.parse_args(argv)  # --help, or a one-line error
+    hint = did_you_mean(command, COMMANDS)
+    parser.fail(f"unknown command {command}" + (f": {hint}" if hint else "") + parser.help_pointer())
 
 
 if __name__ == "__main__":

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from mm_adaptor.features import Feature, Flag, Tolerance, register
 from mm_adaptor.patching import PatchSet
 
@@ -60,6 +58,8 @@ def _split_k_linear(matmul, parts):
 
 
 def perturbation_patches(parts: int = 2) -> PatchSet:
+    import torch
+
     ps = PatchSet("calibration-split-k")
     matmul, bmm = torch.matmul, torch.bmm
     ps.replace("torch.matmul", _split_k(matmul, parts))

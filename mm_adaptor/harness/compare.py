@@ -81,18 +81,23 @@ def tolerance_for(feature_args: list[str]) -> Tolerance:
     return Tolerance(exact=False, why=why, factor=max(f.tolerance.factor for f in inexact))
 
 
+TRAIN_FLAGS_HINT = "`mm-adaptor check --help` and `mm-adaptor train --help` list every flag"
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
+    """The training arguments of one run; a bad flag or value raises HarnessError (one line, with suggestions)."""
     from mm_adaptor.train import build_parser
 
     parser = build_parser(prog="mm-adaptor check")
-    parser.exit_on_error = False
+    parser.exit_on_error, parser.help_hint = False, TRAIN_FLAGS_HINT
     try:
         return parser.parse_args(argv)
-    except (argparse.ArgumentError, SystemExit) as exc:
-        raise HarnessError(f"bad training arguments {' '.join(argv)}: {exc}") from None
+    except argparse.ArgumentError as exc:
+        raise HarnessError(str(exc)) from None
 
 
 def _checked(args: argparse.Namespace) -> argparse.Namespace:
+    """Every rule of the driver and of the switched-on features; HarnessError has one line per problem."""
     from mm_adaptor.train import LayoutError, check_args
 
     try:
@@ -100,6 +105,11 @@ def _checked(args: argparse.Namespace) -> argparse.Namespace:
     except (LayoutError, features.FeatureConfigError) as exc:
         raise HarnessError(str(exc)) from None
     return args
+
+
+def checked_args(argv: list[str]) -> argparse.Namespace:
+    """Parse and validate one run's training arguments without training (HarnessError if they cannot run)."""
+    return _checked(_parse(argv))
 
 
 def _run(run, args, echo):

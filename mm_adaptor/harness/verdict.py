@@ -28,10 +28,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from mm_adaptor.features import Tolerance
+
+if TYPE_CHECKING:  # torch is imported where tensors are judged, so `mm-adaptor check` refuses bad input fast
+    import torch
 
 STATISTICS = ("rel_norm", "scale", "rel_max")
 GROUPS = ("loss", "activations", "gradients", "parameters")
@@ -186,7 +188,7 @@ class Limits:
 def _spread_noise(point: Point, stat: str, rel_norm_noise: float) -> float:
     """What noise of relative norm `rel_norm_noise`, spread at random over the tensor's nonzero elements, gives."""
     ref = (point.off if point.reference is None else point.reference).double()
-    n = max(1, int(torch.count_nonzero(ref)))
+    n = max(1, int(ref.count_nonzero()))
     if stat == "scale":
         return ISOTROPIC_ALLOWANCE * rel_norm_noise / math.sqrt(n)
     largest = float(ref.abs().max())
@@ -243,6 +245,8 @@ class GroupVerdict:
 
 
 def _equal(a, b) -> bool:
+    import torch
+
     if isinstance(a, torch.Tensor):
         return torch.equal(a, b)
     return a == b

@@ -20,12 +20,15 @@ __all__ = ["main", "run", "parse_args", "build_parser", "finalize_args", "Layout
 
 
 def check_args(args: argparse.Namespace, world_size: int) -> None:
-    """Raise LayoutError or FeatureConfigError before any rank starts."""
+    """Raise LayoutError (one line per problem) or FeatureConfigError before any rank starts: ranges and layout,
+    then the features, then the directories (only then is --save created and probed)."""
     from mm_adaptor import features
+    from mm_adaptor.train.arguments import check_paths
 
     finalize_args(argparse.Namespace(**vars(args)), world_size)
     options = features.fill_defaults(args)
     features.validate(options, features.serving(options, features.enabled_features(options)))
+    check_paths(args)
 
 
 def main(argv=None) -> int:

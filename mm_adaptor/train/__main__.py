@@ -1,5 +1,5 @@
 import sys
 
-from mm_adaptor.train import main
+from mm_adaptor.cli import main
 
-sys.exit(main())
+sys.exit(main(["train", *sys.argv[1:]]))

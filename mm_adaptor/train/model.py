@@ -15,11 +15,10 @@ def transformer_config(args):
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
+    from mm_adaptor.train.arguments import ffn_hidden_size
+
     dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
-    ffn = args.ffn_hidden_size
-    if ffn is None:
-        ffn = int(args.hidden_size * 8 / 3) if args.swiglu else 4 * args.hidden_size
-        ffn = ((ffn + 63) // 64) * 64 if args.swiglu else ffn
+    ffn = ffn_hidden_size(args)
     kwargs = dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -55,6 +54,7 @@ def transformer_config(args):
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         calculate_per_token_loss=True,
+        cuda_graph_scope=[],  # megatron's default "full" is deprecated and warns on every config
         deallocate_pipeline_outputs=True,
     )
     if args.num_experts:

@@ -1,0 +1,103 @@
+"""Bad input to every command fails before any work: one line on stderr naming the flag and the fix, exit status 2,
+no usage block, no traceback, and torch never imported (so no rank started and nothing trained)."""
+
+import subprocess
+import sys
+
+import pytest
+
+# Runs the CLI in a fresh interpreter and reports on stdout whether torch got imported.
+_RUNNER = """
+import sys
+from mm_adaptor.cli import main
+try:
+    status = main(sys.argv[1:])
+except SystemExit as exc:
+    status = exc.code
+print(f"status={status} torch_imported={'torch' in sys.modules}")
+"""
+
+
+def _run(*argv: str, cwd=None) -> tuple[str, list[str]]:
+    done = subprocess.run([sys.executable, "-c", _RUNNER, *argv], capture_output=True, text=True, timeout=120,
+                          cwd=cwd)
+    return done.stdout.strip(), done.stderr.splitlines()
+
+
+def _assert_one_line_refusal(argv, expected, cwd=None):
+    stdout, stderr = _run(*argv, cwd=cwd)
+    assert stdout == "status=2 torch_imported=False", (stdout, stderr)
+    assert len(stderr) == 1, stderr
+    assert stderr[0].startswith(f"mm-adaptor {argv[0]}: error: ") or stderr[0].startswith("mm-adaptor: error: ")
+    for text in expected:
+        assert text in stderr[0], stderr[0]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--train-iters", "-5"], ["--train-iters -5: must be at least 1"]),
+    (["train", "--train-iters", "0"], ["--train-iters 0: must be at least 1"]),
+    (["train", "--hidden-size", "63", "--num-attention-heads", "4"],
+     ["--hidden-size 63 is not divisible by --num-attention-heads 4", "e.g. 64"]),
+    (["train", "--num-attention-heads", "2", "--tensor-model-parallel-size", "4", "--nproc-per-node", "4"],
+     ["--num-attention-heads 2 is not divisible by --tensor-model-parallel-size 4"]),
+    (["train", "--num-attention-heads", "4", "--num-query-groups", "3"],
+     ["--num-attention-heads 4 is not divisible by --num-query-groups 3"]),
+    (["train", "--vocab-size", "129", "--tensor-model-parallel-size", "2"],
+     ["--vocab-size 129 is not divisible by --tensor-model-parallel-size 2"]),
+    (["train", "--seq-length", "33", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     ["--seq-length 33 is not divisible by --tensor-model-parallel-size 2", "--sequence-parallel"]),
+    (["train", "--micro-batch-size", "0"], ["--micro-batch-size 0: must be at least 1"]),
+    (["train", "--lr", "nan"], ["--lr nan: must be 0 or more"]),
+    (["train", "--attention-dropout", "1.5"], ["--attention-dropout 1.5: must be in [0, 1)"]),
+    (["train", "--save", "/proc/x"], ["--save /proc/x cannot be written", "writable directory"]),
+    (["train", "--load", "/nonexistent"], ["--load /nonexistent: no such directory"]),
+    (["train", "--use-fused-rmsnrom"], ["unrecognized argument --use-fused-rmsnrom", "did you mean --use-fused-rmsnorm?",
+                                        "--help"]),
+    (["train", "--train-iters"], ["--train-iters: expected one argument"]),
+    (["train", "--train-iters", "ten"], ["--train-iters: invalid int value: 'ten'"]),
+    (["train", "--use-fused-rmsnorm"], ["--use-fused-rmsnorm needs --normalization RMSNorm"]),
+    (["check", "--use-fused-rmsnorm", "--layout", "tp2"],
+     ["--use-fused-rmsnorm needs --normalization RMSNorm", "add --normalization RMSNorm"]),
+    (["check", "--use-fused-rmsnrom", "--layout", "tp2"], ["did you mean --use-fused-rmsnorm?"]),
+    (["check", "--use-fused-rmsnorm", "--layout", "tp3"], ["--layout tp3: not a layout", "did you mean tp2?"]),
+    (["check", "--use-fused-rmsnorm", "--iters", "0"], ["--iters 0: must be at least 1"]),
+    (["check", "--use-fused-rmsnorm", "--normalization", "RMSNorm", "--hidden-size", "63"],
+     ["--hidden-size 63 is not divisible by --num-attention-heads"]),
+    (["calibrate", "--precision", "fp64"], ["--precision: invalid choice: 'fp64'"]),
+    (["build-ops", "--device", "tpu"], ["--device: invalid choice: 'tpu'"]),
+    (["fingerprint", "no.such.thing"], ["cannot resolve 'no.such.thing'"]),
+    (["fingerprint", "json.no_such_function"], ["cannot resolve 'json.no_such_function'", "no_such_function"]),
+    (["report", "--verbose"], ["unrecognized argument --verbose"]),
+    (["trian"], ["unknown command trian", "did you mean train?"]),
+], ids=lambda value: " ".join(value) if isinstance(value, list) and value and value[0][:1] != "-" else None)
+def test_bad_input_is_refused_in_one_line_before_any_work(argv, expected):
+    _assert_one_line_refusal(argv, expected)
+
+
+def test_load_of_a_directory_without_a_checkpoint_is_refused(tmp_path):
+    _assert_one_line_refusal(["train", "--load", str(tmp_path)], [f"--load {tmp_path} holds no checkpoint"])
+
+
+def test_load_whose_marker_names_a_missing_iteration_is_refused(tmp_path):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("20")
+    _assert_one_line_refusal(["train", "--load", str(tmp_path)], ["names iteration 20 but iter_0000020 is missing"])
+
+
+def test_save_onto_a_file_is_refused(tmp_path):
+    target = tmp_path / "a-file"
+    target.write_text("")
+    _assert_one_line_refusal(["train", "--save", str(target)], [f"--save {target} is a file"])
+
+
+def test_every_problem_is_named_at_once():
+    stdout, stderr = _run("train", "--hidden-size", "63", "--vocab-size", "129", "--tensor-model-parallel-size", "2")
+    assert stdout == "status=2 torch_imported=False"
+    assert len(stderr) >= 2 and all(line.startswith("mm-adaptor train: error: ") for line in stderr), stderr
+    assert any("--hidden-size 63" in line for line in stderr) and any("--vocab-size 129" in line for line in stderr)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["check", "--help"]])
+def test_help_does_not_import_torch(argv):
+    stdout, stderr = _run(*argv)
+    assert stdout.endswith("status=0 torch_imported=False"), stdout[-200:]
+    assert "usage: mm-adaptor" in stdout and not stderr
