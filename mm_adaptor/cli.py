@@ -346,12 +346,20 @@ def main(argv=None) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     if command in COMMANDS:
+        from mm_adaptor.launcher import Interrupted
         from mm_adaptor.output import PRINTER
 
         try:
-            return COMMANDS[command][0](rest)
-        finally:
+            status = COMMANDS[command][0](rest)
+        except Interrupted as exc:  # the ranks are stopped; one line, no traceback
+            print(f"mm-adaptor {command}: {exc}", file=sys.stderr)
+            return exc.exit_status
+        except KeyboardInterrupt:  # Ctrl-C while no rank ran
+            print(f"mm-adaptor {command}: interrupted (SIGINT)", file=sys.stderr)
+            return 130
+        if status < 128:  # not after the one line of an interruption
             PRINTER.close()  # the count of known-harmless warnings the ranks gave, in one line
+        return status
     if command.startswith("-"):
         parser.parse_args(argv)  # --help, or a one-line error
     hint = did_you_mean(command, COMMANDS)

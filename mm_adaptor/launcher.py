@@ -1,22 +1,54 @@
-"""Start N local ranks on a free port, with a timeout; surface a failing rank's traceback."""
+"""Start N local ranks on a free port; surface a failing rank's traceback, report a rank that stops making
+progress, and stop every rank and everything it started when the launcher is interrupted or dies."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import multiprocessing as mp
 import os
+import select
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
-import warnings
 from queue import Empty
 from typing import Any, Callable
 
 RANK_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
+# What a rank is doing, as it last told the launcher (report_progress).
+PHASES = ("starting", "building", "training", "saving", "teardown", "exiting")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
 
 class LaunchError(RuntimeError):
     """A rank died, raised, or hung; the message carries its traceback or names the hung ranks."""
+
+
+class Interrupted(LaunchError):
+    """The launcher got SIGINT, SIGTERM or SIGHUP and stopped every rank; says where the ranks were."""
+
+    def __init__(self, signum: int, phase: str, iteration: int):
+        self.signum, self.phase, self.iteration = signum, phase, iteration
+        super().__init__(f"interrupted ({self.signal_name}) {self.where}")
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def where(self) -> str:
+        if self.phase in ("training", "saving") or self.iteration:
+            return f"at iteration {self.iteration}"
+        return f"while {self.phase}"
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
 
 
 def free_port() -> int:
@@ -31,29 +63,132 @@ def under_launcher() -> bool:
 
 
 def _forward_warnings_to(queue) -> None:
-    """A rank's warnings go to the launcher, which prints each distinct one once for all ranks."""
+    """A rank's warnings (Python's and logged ones) go to the launcher, which prints each distinct one once."""
+    from mm_adaptor.output import forward_rank_output
 
-    def show(message, category, filename, lineno, file=None, line=None):
-        queue.put(f"{category.__name__}: {message}")
-
-    warnings.showwarning = show
-
-
-_shown_warnings: set[str] = set()
+    forward_rank_output(queue.put)
 
 
 def _print_new_warnings(queue) -> None:
+    from mm_adaptor.output import PRINTER
+
     while True:
         try:
             text = queue.get_nowait()
         except Empty:
             return
-        if text not in _shown_warnings:
-            _shown_warnings.add(text)
-            print(f"warning: {text}", file=sys.stderr, flush=True)
+        PRINTER.add(text)
 
 
-def _rank_entry(fn, args, rank, world_size, port, threads, errors, rank_warnings):
+# ---- progress: each rank owns three slots of a shared array (beats, phase, iteration) ----
+
+_progress_slots = None  # (array, rank) inside a rank started by launch()
+
+
+def report_progress(phase: str, iteration: int | None = None) -> None:
+    """In a rank started by launch(): tell the launcher it is alive and what it is doing (a PHASES name and the
+    iteration it works on; None keeps the last one). A rank silent for the launch timeout is declared hung.
+    Elsewhere (torchrun, one process) a no-op."""
+    if _progress_slots is None:
+        return
+    array, rank = _progress_slots
+    array[3 * rank + 1] = PHASES.index(phase)
+    if iteration is not None:
+        array[3 * rank + 2] = iteration
+    array[3 * rank] += 1
+
+
+class _ProgressWatch:
+    """The launcher's view of the ranks' progress, timed by its own clock."""
+
+    def __init__(self, array, nproc: int):
+        self.array, self.nproc = array, nproc
+        self.beats = [-1] * nproc
+        self.since = [time.monotonic()] * nproc
+
+    def update(self) -> None:
+        now = time.monotonic()
+        for rank in range(self.nproc):
+            beats = self.array[3 * rank]
+            if beats != self.beats[rank]:
+                self.beats[rank], self.since[rank] = beats, now
+
+    def where(self, rank: int) -> tuple[str, int]:
+        return PHASES[self.array[3 * rank + 1]], self.array[3 * rank + 2]
+
+    def silent_for(self, rank: int) -> float:
+        return time.monotonic() - self.since[rank]
+
+    def furthest(self) -> tuple[str, int]:
+        """The phase and iteration of the rank that got furthest."""
+        return max((self.where(rank) for rank in range(self.nproc)), key=lambda w: (w[1], PHASES.index(w[0])))
+
+
+def _hang_message(watch: _ProgressWatch, hung: list[int], timeout: float) -> str:
+    places = []
+    for rank in hung:
+        phase, iteration = watch.where(rank)
+        places.append(f"rank {rank} in {phase}" + (f" at iteration {iteration}" if phase in ("training", "saving")
+                                                    else ""))
+    message = (f"timed out after {timeout:.0f}s: rank(s) {', '.join(map(str, hung))} still running with no "
+               f"progress for {timeout:.0f}s ({'; '.join(places)})")
+    if all(watch.where(rank)[0] == "training" for rank in hung):
+        message += ("; a hang in a collective during training usually means the ranks disagree on the layout or "
+                    "one rank skipped a communication")
+    return message
+
+
+# ---- inside a rank: die with the launcher, taking everything the rank started along ----
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _kill_own_group() -> None:
+    """Kill this rank's descendants and its process group (itself included)."""
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    except ImportError:
+        pass
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def _watch_launcher(launcher_pid: int, wakeup_fd: int) -> None:
+    while True:
+        readable, _, _ = select.select([wakeup_fd], [], [], 0.5)
+        if readable and signal.SIGTERM in os.read(wakeup_fd, 64):
+            _kill_own_group()
+        if os.getppid() != launcher_pid:
+            _kill_own_group()
+
+
+def _die_with_launcher(launcher_pid: int) -> None:
+    """The kernel sends this rank SIGTERM when the launcher dies, even by SIGKILL (PR_SET_PDEATHSIG), and a thread
+    also watches for a new parent; either kills the rank's process group, so helpers it started (megatron's
+    checkpoint writers) die too. The thread reacts to SIGTERM through the wakeup fd, so it acts while the main
+    thread is blocked in a collective."""
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: _kill_own_group())
+    signal.set_wakeup_fd(write_fd)
+    threading.Thread(target=_watch_launcher, args=(launcher_pid, read_fd), name="die-with-launcher",
+                     daemon=True).start()
+    if os.getppid() != launcher_pid:  # it died before the death signal was armed
+        _kill_own_group()
+
+
+def _rank_entry(fn, args, rank, world_size, port, threads, errors, rank_warnings, progress, launcher_pid):
+    global _progress_slots
+    _die_with_launcher(launcher_pid)
+    _progress_slots = (progress, rank)
+    report_progress("starting")
     _forward_warnings_to(rank_warnings)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -69,6 +204,10 @@ def _rank_entry(fn, args, rank, world_size, port, threads, errors, rank_warnings
     except BaseException as exc:  # noqa: BLE001 - everything a rank raises goes to the parent
         errors.put((rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         raise SystemExit(1)
+    report_progress("exiting")
+    # Interpreter teardown ends with a full garbage collection over torch's and megatron's objects: seconds after
+    # the work is done, more on a loaded machine. Frozen objects are left out of it; the OS reclaims the memory.
+    gc.freeze()
 
 
 # The free port is found by binding and releasing it, so another process can take it before rank 0 listens; the
@@ -79,56 +218,74 @@ _PORT_TAKEN = ("EADDRINUSE", "address already in use")
 
 def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, timeout: float | None = None,
            threads_per_rank: int | None = None) -> None:
-    """Run fn(*args) in `nproc` spawned ranks; raise LaunchError if any fails or time runs out."""
+    """Run fn(*args) in `nproc` spawned ranks. Raises LaunchError if a rank fails or makes no progress
+    (report_progress) for `timeout` seconds, Interrupted if the launcher gets SIGINT/SIGTERM/SIGHUP; either way
+    every rank and everything it started is gone when it returns or raises."""
     if nproc < 1:
         raise ValueError(f"--nproc-per-node must be at least 1, got {nproc}")
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // nproc)
-    for attempt in range(1, PORT_ATTEMPTS + 1):
-        try:
-            return _launch_once(fn, args, nproc, timeout, threads_per_rank, free_port())
-        except LaunchError as exc:
-            if attempt == PORT_ATTEMPTS or not any(text in str(exc) for text in _PORT_TAKEN):
-                raise
+    with _signals_noted() as signals:
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return _launch_once(fn, args, nproc, timeout, threads_per_rank, free_port(), signals)
+            except LaunchError as exc:
+                if (isinstance(exc, Interrupted) or attempt == PORT_ATTEMPTS
+                        or not any(text in str(exc) for text in _PORT_TAKEN)):
+                    raise
 
 
-def _launch_once(fn, args, nproc, timeout, threads_per_rank, port) -> None:
+@contextlib.contextmanager
+def _signals_noted():
+    """While ranks run, SIGINT, SIGTERM and SIGHUP are noted (the monitoring loop stops the ranks) instead of
+    killing the launcher or raising KeyboardInterrupt somewhere in it. Only the main thread can set handlers."""
+    noted: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+    previous = {signum: signal.signal(signum, lambda signum, frame: noted.append(signum)) for signum in STOP_SIGNALS}
+    try:
+        yield noted
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
+def _launch_once(fn, args, nproc, timeout, threads_per_rank, port, signals) -> None:
     ctx = mp.get_context("spawn")
     errors, rank_warnings = ctx.Queue(), ctx.Queue()
+    progress = ctx.RawArray("q", 3 * nproc)
     procs = [
-        ctx.Process(target=_rank_entry, args=(fn, args, rank, nproc, port, threads_per_rank, errors, rank_warnings),
-                    name=f"rank{rank}", daemon=False)
+        ctx.Process(target=_rank_entry, name=f"rank{rank}", daemon=False,
+                    args=(fn, args, rank, nproc, port, threads_per_rank, errors, rank_warnings, progress, os.getpid()))
         for rank in range(nproc)
     ]
-    for proc in procs:
-        proc.start()
-    deadline = None if timeout is None else time.monotonic() + timeout
+    watch = _ProgressWatch(progress, nproc)
     failed: tuple[int, str, str] | None = None
     try:
-        while any(p.is_alive() for p in procs):
+        for proc in procs:
+            if not signals:
+                proc.start()
+        while any(_exit_code(p) is None for p in procs) or signals:
             _print_new_warnings(rank_warnings)
-            if failed is None:
-                failed = _first_failure(procs, errors)
-                if failed is not None:
-                    _stop(procs, grace=5.0)
-                    break
-            if deadline is not None and time.monotonic() > deadline:
-                hung = [i for i, p in enumerate(procs) if p.is_alive()]
-                _stop(procs, grace=0.0)
-                raise LaunchError(
-                    f"timed out after {timeout:.0f}s: rank(s) {', '.join(map(str, hung))} still running "
-                    "(a hang in a collective usually means the ranks disagree on the layout or one rank "
-                    "skipped a communication)"
-                )
+            watch.update()
+            if signals:
+                _kill_ranks(procs)
+                raise Interrupted(signals[0], *watch.furthest())
+            failed = _first_failure(procs, errors)
+            if failed is not None:
+                _kill_ranks(procs, grace=5.0)
+                break
+            running = [rank for rank, proc in enumerate(procs) if _exit_code(proc) is None]
+            # Hung: no running rank made progress for `timeout` (a rank stuck alone soon blocks the others).
+            if timeout is not None and running and all(watch.silent_for(rank) > timeout for rank in running):
+                _kill_ranks(procs)
+                raise LaunchError(_hang_message(watch, running, timeout))
             time.sleep(0.05)
         if failed is None:
             failed = _first_failure(procs, errors)
-    except KeyboardInterrupt:
-        _stop(procs, grace=0.0)
-        raise
     finally:
-        for proc in procs:
-            proc.join(timeout=1.0)
+        _kill_ranks(procs)  # anything a finished rank left behind, or every rank on an unexpected error
         _print_new_warnings(rank_warnings)
     if failed is not None:
         rank, summary, tb = failed
@@ -139,22 +296,59 @@ def _first_failure(procs, errors):
     if not errors.empty():
         return errors.get()
     for rank, proc in enumerate(procs):
-        if proc.exitcode not in (None, 0):
+        code = _exit_code(proc)
+        if code not in (None, 0):
             time.sleep(0.2)  # give its traceback a moment to arrive
             if not errors.empty():
                 return errors.get()
-            return rank, f"exited with code {proc.exitcode} without a Python traceback (killed or crashed)", ""
+            return rank, f"exited with code {code} without a Python traceback (killed or crashed)", ""
     return None
 
 
-def _stop(procs, grace: float) -> None:
+# Ranks are reaped only by _kill_ranks: until then a rank's pid, which is also its process group's id, cannot be
+# taken by another process, so killing that group reaches only what the rank started.
+
+def _reaped(proc) -> bool:
+    try:
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return False
+
+
+def _exit_code(proc) -> int | None:
+    """The rank's exit code (minus the signal that killed it), None while it runs; leaves it unreaped."""
+    if proc.pid is None:
+        return None
+    try:
+        status = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return proc.exitcode
+    if status is None:
+        return None
+    return status.si_status if status.si_code == os.CLD_EXITED else -status.si_status
+
+
+def _kill_ranks(procs, grace: float = 0.0) -> None:
+    """After `grace` seconds for the ranks to exit on their own, kill each rank's process group and every
+    descendant (collected first: a helper whose rank is dead is no longer its descendant)."""
+    import psutil
+
     end = time.monotonic() + grace
-    for proc in procs:
-        while proc.is_alive() and time.monotonic() < end:
-            time.sleep(0.05)
-        if proc.is_alive():
-            proc.terminate()
-    for proc in procs:
+    while grace and any(_exit_code(p) is None for p in procs) and time.monotonic() < end:
+        time.sleep(0.05)
+    unreaped = [proc for proc in procs if proc.pid is not None and not _reaped(proc)]
+    victims = []
+    for proc in unreaped:
+        with contextlib.suppress(psutil.Error):
+            victims += psutil.Process(proc.pid).children(recursive=True)
+    for proc in unreaped:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its group: the rank made itself leader at start
+        proc.kill()  # in case it had not got that far
+    for victim in victims:
+        with contextlib.suppress(psutil.Error):
+            victim.kill()
+    for proc in unreaped:
         proc.join(timeout=5.0)
-        if proc.is_alive():
-            proc.kill()
+    psutil.wait_procs(victims, timeout=5.0)

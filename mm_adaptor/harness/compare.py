@@ -113,10 +113,12 @@ def checked_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _run(run, args, echo):
-    from mm_adaptor.launcher import LaunchError
+    from mm_adaptor.launcher import Interrupted, LaunchError
 
     try:
         return run(args, echo=echo)
+    except Interrupted:
+        raise
     except LaunchError as exc:
         raise HarnessError(f"training failed: {exc}") from None
 

@@ -33,7 +33,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
 
 def main(argv=None) -> int:
     from mm_adaptor.features import FeatureConfigError
-    from mm_adaptor.launcher import LaunchError, launch, under_launcher
+    from mm_adaptor.launcher import Interrupted, LaunchError, launch, under_launcher
     from mm_adaptor.train.loop import run_rank
 
     parser = build_parser()
@@ -47,6 +47,13 @@ def main(argv=None) -> int:
         return 0
     try:
         launch(run_rank, (args,), nproc=args.nproc_per_node, timeout=args.timeout)
+    except Interrupted as exc:
+        from mm_adaptor.train.checkpoint import latest_checkpoint
+
+        saved = latest_checkpoint(args.save) if args.save else None
+        print(f"mm-adaptor train: {exc}; " + (f"last checkpoint: {saved}" if saved else "no checkpoint saved"),
+              file=sys.stderr)
+        return exc.exit_status
     except LaunchError as exc:
         print(f"mm-adaptor train: {exc}", file=sys.stderr)
         return 1

@@ -83,7 +83,7 @@ def build_parser(prog: str = "mm-adaptor train") -> argparse.ArgumentParser:
     t.add_argument("--no-load-optim", action="store_true", help="load the checkpoint's weights only")
     t.add_argument("--dump", type=str, default=None,
                    help="write per-rank losses, final gradients and parameters here (used by mm-adaptor check)")
-    t.add_argument("--timeout", type=float, default=900.0, help="seconds before local ranks are declared hung")
+    t.add_argument("--timeout", type=float, default=900.0, help="seconds without progress before a rank is declared hung")
     t.add_argument("--quiet", action="store_true", help="print only the final summary")
     t.add_argument("--silent", action="store_true", help="print nothing (for harnesses that read --dump)")
     t.add_argument("--verbose", action=ShowEveryWarning, help="print every library warning, the known-harmless ones "
@@ -294,26 +294,27 @@ def finalize_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     return args
 
 
-CHECKPOINT_MARKER = "latest_checkpointed_iteration.txt"
 
 
 def checkpoint_iteration(directory: str) -> int:
     """The iteration of the latest checkpoint under `directory` (the driver's and Megatron-LM's layout);
     raises LayoutError naming --load when there is none."""
+    from mm_adaptor.train.checkpoint import MARKER, latest_checkpoint
+
     root = Path(directory)
     if not root.is_dir():
         raise LayoutError(f"--load {directory}: no such directory: give the --save directory of an earlier run")
-    marker = root / CHECKPOINT_MARKER
+    marker = root / MARKER
     try:
         iteration = int(marker.read_text().strip())
     except OSError:
-        raise LayoutError(f"--load {directory} holds no checkpoint (no {CHECKPOINT_MARKER}): give the --save "
+        raise LayoutError(f"--load {directory} holds no checkpoint (no {MARKER}): give the --save "
                           "directory of an earlier run") from None
     except ValueError:
-        raise LayoutError(f"--load {directory}: {CHECKPOINT_MARKER} does not hold an iteration number: give the "
+        raise LayoutError(f"--load {directory}: {MARKER} does not hold an iteration number: give the "
                           "--save directory of an earlier run") from None
-    if not (root / f"iter_{iteration:07d}").is_dir():
-        raise LayoutError(f"--load {directory}: {CHECKPOINT_MARKER} names iteration {iteration} but "
+    if not latest_checkpoint(directory).is_dir():
+        raise LayoutError(f"--load {directory}: {MARKER} names iteration {iteration} but "
                           f"iter_{iteration:07d} is missing: restore it or give another checkpoint directory")
     return iteration
 

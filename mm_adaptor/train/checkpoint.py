@@ -1,7 +1,13 @@
-"""Save/load the training driver's state with megatron-core's distributed checkpointing."""
+"""Save/load the training driver's state with megatron-core's distributed checkpointing.
+
+A save is written into `iter_N.saving`, renamed to `iter_N` once every rank finished, and only then named by the
+marker file (replaced atomically), so the marker always names a complete checkpoint: a save killed half way leaves
+a `.saving` directory behind and the marker at the previous checkpoint."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 from mm_adaptor.train.model import unwrap
@@ -32,20 +38,65 @@ def _sharded_state_dict(state, *, is_loading: bool, with_optimizer: bool = True)
     return sd
 
 
+MARKER = "latest_checkpointed_iteration.txt"
+
+
+def checkpoint_dir(directory, iteration: int) -> Path:
+    return Path(directory) / f"iter_{iteration:07d}"
+
+
+def latest_checkpoint(directory) -> Path | None:
+    """The complete checkpoint the marker under `directory` names, or None when there is no marker. A save of the
+    same iteration cut short between its two renames (_publish) left the complete one as `iter_N.old`."""
+    marker = Path(directory) / MARKER
+    if not marker.exists():
+        return None
+    final = checkpoint_dir(directory, int(marker.read_text().strip()))
+    set_aside = _set_aside(final)
+    return set_aside if not final.exists() and set_aside.exists() else final
+
+
+def _set_aside(final: Path) -> Path:
+    return final.with_name(final.name + ".old")
+
+
+def _replace_file(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(temporary, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
+def _publish(staging: Path, final: Path) -> None:
+    """Rename the finished save into place; an older save of the same iteration is set aside first (and found
+    there by latest_checkpoint if the process dies between the two renames)."""
+    set_aside = _set_aside(final)
+    if final.exists():
+        shutil.rmtree(set_aside, ignore_errors=True)
+        final.rename(set_aside)
+    staging.rename(final)
+    shutil.rmtree(set_aside, ignore_errors=True)
+
+
 def save_checkpoint(state, directory: str) -> Path:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    path = Path(directory) / f"iter_{state.iteration:07d}"
+    final = checkpoint_dir(directory, state.iteration)
+    staging = final.with_name(final.name + ".saving")
     if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
+        staging.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(state, is_loading=False), str(path))
-    dist.barrier()
+    dist_checkpointing.save(_sharded_state_dict(state, is_loading=False), str(staging))
+    dist.barrier()  # every rank has written its shards
     if dist.get_rank() == 0:
-        (Path(directory) / "latest_checkpointed_iteration.txt").write_text(str(state.iteration))
+        _publish(staging, final)
+        _replace_file(Path(directory) / MARKER, str(state.iteration))
     dist.barrier()
-    return path
+    return final
 
 
 def load_checkpoint(state, directory: str, *, load_optim: bool = True) -> int:
@@ -55,11 +106,9 @@ def load_checkpoint(state, directory: str, *, load_optim: bool = True) -> int:
     first step or by a model whose optimizer differs; the optimizer's main params are refreshed from them."""
     from megatron.core import dist_checkpointing
 
-    marker = Path(directory) / "latest_checkpointed_iteration.txt"
-    if not marker.exists():
-        raise FileNotFoundError(f"no checkpoint under {directory} (missing {marker.name})")
-    iteration = int(marker.read_text().strip())
-    path = Path(directory) / f"iter_{iteration:07d}"
+    path = latest_checkpoint(directory)
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint under {directory} (missing {MARKER})")
     loaded = dist_checkpointing.load(_sharded_state_dict(state, is_loading=True, with_optimizer=load_optim), str(path))
     for i, chunk in enumerate(state.model):
         unwrap(chunk).load_state_dict(loaded[_model_key(state, i)])

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
+from mm_adaptor.launcher import report_progress
 from mm_adaptor.train.logs import StepRecord, describe_layout, format_iteration, print_last_rank, set_silent, summary
 
 
@@ -117,6 +118,7 @@ def run_rank(args: argparse.Namespace) -> None:
     import mm_adaptor
     from mm_adaptor import devices
 
+    report_progress("building")
     set_silent(args.silent)
     backend = devices.install()
     mm_adaptor.enable(args)
@@ -128,6 +130,7 @@ def run_rank(args: argparse.Namespace) -> None:
     finally:
         from megatron.core import parallel_state
 
+        report_progress("teardown")
         parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -186,6 +189,7 @@ def _train(args, backend) -> None:
                         f"features: {', '.join(applied_features()) or 'none'}")
     start_iteration = state.iteration
     while state.iteration < args.train_iters:
+        report_progress("training", state.iteration + 1)
         dist.barrier()
         t0 = time.perf_counter()
         measure = recorder is not None and state.iteration == start_iteration
@@ -214,5 +218,6 @@ def _train(args, backend) -> None:
 def _save(state, args):
     from mm_adaptor.train.checkpoint import save_checkpoint
 
+    report_progress("saving", state.iteration)
     save_checkpoint(state, args.save)
     print_last_rank(f" saved checkpoint to {args.save} at iteration {state.iteration}")

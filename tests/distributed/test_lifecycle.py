@@ -1,0 +1,266 @@
+"""The launcher owns its ranks: a signal or its own death stops every rank and everything the ranks started, a
+save cut short never becomes the checkpoint a resume loads, and only a rank that stops making progress is hung."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from mm_adaptor import train
+from mm_adaptor.launcher import LaunchError, launch, report_progress
+
+pytestmark = pytest.mark.distributed
+
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+        "--vocab-size", "128", "--nproc-per-node", "2"]
+MARKER = "latest_checkpointed_iteration.txt"
+# launch() without a thread count for torch: the ranks need not import it, so they start in well under a second
+NO_TORCH = 0
+
+
+def _start(tmp_path: Path) -> subprocess.Popen:
+    """`mm-adaptor train` saving every 2 iterations for far longer than a test waits, in its own session."""
+    command = [sys.executable, "-m", "mm_adaptor.cli", "train", *TINY, "--train-iters", "100000",
+               "--save", str(tmp_path / "ckpt"), "--save-interval", "2", "--timeout", "120"]
+    with open(tmp_path / "stdout", "wb") as out, open(tmp_path / "stderr", "wb") as err:
+        return subprocess.Popen(command, stdout=out, stderr=err, start_new_session=True)
+
+
+def _wait_for(condition, what: str, timeout: float = 120.0, launcher=None):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = condition()
+        if value:
+            return value
+        if launcher is not None and launcher.poll() is not None:
+            pytest.fail(f"the launcher exited with {launcher.returncode} while waiting for {what}")
+        time.sleep(0.01)
+    pytest.fail(f"no {what} within {timeout:.0f}s")
+
+
+def _living(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those still running (a zombie nobody reaped has stopped running)."""
+    living = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                living.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return living
+
+
+def _assert_all_gone(processes: list[psutil.Process], within: float) -> float:
+    start = time.monotonic()
+    while _living(processes) and time.monotonic() - start < within:
+        time.sleep(0.05)
+    left = [f"{p.pid} {' '.join(p.cmdline())[:100]}" for p in _living(processes)]
+    assert not left, f"still running {within:.0f}s later: {left}"
+    return time.monotonic() - start
+
+
+def _ranks_running(launcher: subprocess.Popen) -> list[psutil.Process]:
+    """The launcher's descendants once both ranks are up: ranks, their helpers and the resource tracker."""
+    def both_ranks():
+        descendants = psutil.Process(launcher.pid).children(recursive=True)
+        leaders = [p for p in descendants if os.getpgid(p.pid) == p.pid]  # each rank leads its own group
+        return descendants if len(leaders) == 2 else None
+
+    return _wait_for(both_ranks, "two ranks in their own process groups", launcher=launcher)
+
+
+@pytest.fixture
+def launched(tmp_path):
+    """A running `mm-adaptor train`; whatever a failing test leaves is killed afterwards."""
+    started: list = []
+
+    def start():
+        launcher = _start(tmp_path)
+        started.append(launcher)
+        return launcher
+
+    yield start
+    for launcher in started:
+        leftovers = [psutil.Process(launcher.pid)] if launcher.poll() is None else []
+        for process in leftovers + getattr(launcher, "descendants", []):
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+        launcher.wait()
+
+
+def _checkpoint_saved(tmp_path: Path):
+    return (tmp_path / "ckpt" / MARKER).exists()
+
+
+@pytest.mark.parametrize("signum, to_group", [
+    (signal.SIGINT, False), (signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGHUP, False)],
+    ids=["SIGINT", "SIGINT-to-group", "SIGTERM", "SIGHUP"])
+def test_a_signal_stops_every_rank_with_one_line(tmp_path, launched, signum, to_group):
+    launcher = launched()
+    _wait_for(lambda: _checkpoint_saved(tmp_path), "checkpoint", launcher=launcher)
+    launcher.descendants = descendants = _ranks_running(launcher)
+    (os.killpg if to_group else os.kill)(launcher.pid, signum)  # to the group: what Ctrl-C in a terminal does
+
+    assert launcher.wait(timeout=30) == 128 + signum
+    _assert_all_gone(descendants, within=5)
+    stderr = (tmp_path / "stderr").read_text()
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if "interrupted" in line]
+    assert len(lines) == 1 and stderr.splitlines()[-1] == lines[0], "the interruption is the last word"
+    name = signal.Signals(signum).name
+    assert lines[0].startswith(f"mm-adaptor train: interrupted ({name}) at iteration "), lines[0]
+    saved = int((tmp_path / "ckpt" / MARKER).read_text())
+    assert lines[0].endswith(f"; last checkpoint: {tmp_path / 'ckpt' / f'iter_{saved:07d}'}"), lines[0]
+
+
+def test_ranks_and_their_helpers_die_with_a_killed_launcher(tmp_path, launched):
+    launcher = launched()
+    _wait_for(lambda: _checkpoint_saved(tmp_path), "checkpoint", launcher=launcher)
+    launcher.descendants = descendants = _ranks_running(launcher)
+    launcher.kill()
+    launcher.wait()
+    _assert_all_gone(descendants, within=5)
+
+
+def _stopped(process: psutil.Process) -> bool:
+    try:
+        return process.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _stop_ranks_mid_save(tmp_path: Path, launcher) -> int:
+    """Freeze every rank (and its helpers) while a save is half done; returns the iteration being saved.
+
+    A save lives in iter_N.saving until every rank has written its part, and is renamed before the marker moves,
+    so a .saving directory seen while all ranks are stopped is a save that has not finished."""
+    ckpt = tmp_path / "ckpt"
+    while True:
+        staging = _wait_for(lambda: sorted(ckpt.glob("iter_*.saving")), "save in progress", launcher=launcher)
+        ranks = [p for p in psutil.Process(launcher.pid).children() if os.getpgid(p.pid) == p.pid]
+        for rank in ranks:
+            os.killpg(rank.pid, signal.SIGSTOP)
+        group = [p for rank in ranks for p in [rank, *rank.children(recursive=True)]]
+        _wait_for(lambda: all(_stopped(p) for p in group), "stopped ranks")
+        if staging[0].exists():
+            return int(staging[0].name[len("iter_"):-len(".saving")])
+        for rank in ranks:
+            os.killpg(rank.pid, signal.SIGCONT)
+
+
+def test_a_save_cut_short_leaves_the_previous_checkpoint_to_resume_from(tmp_path, launched):
+    launcher = launched()
+    _wait_for(lambda: _checkpoint_saved(tmp_path), "checkpoint", launcher=launcher)
+    launcher.descendants = descendants = _ranks_running(launcher)
+    cut_short = _stop_ranks_mid_save(tmp_path, launcher)
+    launcher.terminate()
+    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    _assert_all_gone(descendants, within=5)
+
+    ckpt = tmp_path / "ckpt"
+    saved = int((ckpt / MARKER).read_text())
+    assert saved == cut_short - 2, f"the marker names {saved}, the save cut short was {cut_short}"
+    assert not (ckpt / f"iter_{cut_short:07d}").exists()
+    assert f"last checkpoint: {ckpt / f'iter_{saved:07d}'}" in (tmp_path / "stderr").read_text()
+
+    target = saved + 3
+    straight = train.run(train.parse_args([*TINY, "--train-iters", str(target), "--timeout", "120"])).ranks[0]
+    resumed = train.run(train.parse_args([*TINY, "--train-iters", str(target), "--timeout", "120",
+                                          "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "2"])).ranks[0]
+    assert resumed.losses == straight.losses[saved:], (resumed.losses, straight.losses[saved:])
+    # the resumed run saved the cut-short iteration again over the leftovers, then its last one
+    assert (ckpt / f"iter_{cut_short:07d}").is_dir() and not list(ckpt.glob("*.saving"))
+    assert int((ckpt / MARKER).read_text()) == target
+
+
+def _record_pid(directory):
+    Path(directory, os.environ["RANK"]).write_text(str(os.getpid()))
+
+
+def _progress_then_stall(directory, phase):
+    """Both ranks train, then stop reporting in `phase`: rank 1 at iteration 3 and rank 0 one step further (as if
+    blocked in a collective rank 1 never reached)."""
+    _record_pid(directory)
+    stall_at = 3 if os.environ["RANK"] == "1" else 4
+    for iteration in range(1, stall_at):
+        report_progress("training", iteration)
+        time.sleep(0.1)
+    report_progress(phase, stall_at)
+    time.sleep(120)
+
+
+def _rank_processes(directory) -> list[psutil.Process]:
+    processes = []
+    for path in Path(directory).iterdir():
+        try:
+            processes.append(psutil.Process(int(path.read_text())))
+        except psutil.NoSuchProcess:
+            pass
+    return processes
+
+
+@pytest.mark.parametrize("phase", ["training", "saving", "teardown"])
+def test_ranks_that_stop_progressing_are_named_with_their_phase(tmp_path, phase):
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(_progress_then_stall, (str(tmp_path), phase), nproc=2, timeout=3, threads_per_rank=NO_TORCH)
+    message = str(info.value)
+    assert "rank(s) 0, 1 still running with no progress for 3s" in message, message
+    if phase == "teardown":
+        assert "(rank 0 in teardown; rank 1 in teardown)" in message, message
+    else:
+        assert f"(rank 0 in {phase} at iteration 4; rank 1 in {phase} at iteration 3)" in message, message
+    assert ("disagree on the layout" in message) == (phase == "training"), message
+    assert time.monotonic() - start < 60
+    _assert_all_gone(_rank_processes(tmp_path), within=5)
+
+
+def _slow_but_steady(directory, steps, seconds_per_step):
+    _record_pid(directory)
+    for iteration in range(1, steps + 1):
+        report_progress("training", iteration)
+        time.sleep(seconds_per_step)
+
+
+def test_a_slow_rank_that_keeps_progressing_is_not_hung(tmp_path):
+    start = time.monotonic()
+    launch(_slow_but_steady, (str(tmp_path), 6, 1.0), nproc=2, timeout=2.5, threads_per_rank=NO_TORCH)
+    assert time.monotonic() - start > 2.5 * 2, "the run must outlast the timeout for the test to mean anything"
+    _assert_all_gone(_rank_processes(tmp_path), within=5)
+
+
+def test_an_interrupted_check_stops_its_ranks_with_one_line(tmp_path):
+    command = [sys.executable, "-m", "mm_adaptor.cli", "check", "--optimize-vocab-parallel-ce", "--layout", "tp2",
+               "--iters", "100000", "--no-baseline-cache", *TINY]
+    with open(tmp_path / "stderr", "wb") as err:
+        check = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        descendants = _ranks_running(check)
+        check.send_signal(signal.SIGINT)
+        assert check.wait(timeout=30) == 130
+        _assert_all_gone(descendants, within=5)
+    finally:
+        if check.poll() is None:
+            check.kill()
+            check.wait()
+    stderr = (tmp_path / "stderr").read_text().splitlines()
+    assert len(stderr) == 1 and stderr[0].startswith("mm-adaptor check: interrupted (SIGINT) "), stderr
+
+
+def test_the_launcher_leaves_no_process_behind():
+    """Run last in this module: nothing the tests here started is still running (but this process's own
+    multiprocessing resource tracker, which lives as long as it does)."""
+    left = [f"{p.pid} {' '.join(p.cmdline())[:100]}" for p in _living(psutil.Process().children(recursive=True))
+            if "multiprocessing.resource_tracker" not in " ".join(p.cmdline())]
+    assert not left, left

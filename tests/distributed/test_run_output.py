@@ -1,0 +1,56 @@
+"""What `mm-adaptor train` and `mm-adaptor check` print by default: the README's lines, no Python warning text
+(the known-harmless library notices are counted in one `note:` line), and everything with --verbose."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+        "--vocab-size", "128"]
+ITERATION_LINE = re.compile(r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +\d+/ +\d+ \| consumed samples:")
+NOTE_LINE = re.compile(r"^note: \d+ known-harmless library notices? not shown \(.*\); --verbose shows them$")
+WARNING_TEXT = re.compile(r"Warning|warning:|warnings\.warn|Traceback")
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    # as a user runs it: the suite's PYTHONWARNINGS=ignore (tests/conftest.py) would hide what is being tested
+    env = {key: value for key, value in os.environ.items() if key not in ("MM_ADAPTOR_VERBOSE", "PYTHONWARNINGS")}
+    return subprocess.run([sys.executable, "-m", "mm_adaptor.cli", *argv], capture_output=True, text=True,
+                          timeout=600, env=env)
+
+
+def test_train_prints_the_readme_lines_and_no_warning_text():
+    done = _cli("train", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--train-iters", "2", *TINY)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(" mm-adaptor train: TP2+PP1+DP1+SP+fp32 | device backend: cpu"), lines[0]
+    assert all(ITERATION_LINE.match(line) for line in lines[1:3]), lines
+    assert lines[3].startswith(" training summary: TP2+PP1+DP1+SP+fp32 | iterations 1-2 | lm loss "), lines
+    assert len(lines) == 4, lines
+    assert not WARNING_TEXT.search(done.stdout + done.stderr), done.stderr
+    stderr = done.stderr.splitlines()
+    assert len(stderr) == 1 and NOTE_LINE.match(stderr[0]), stderr
+
+
+def test_verbose_shows_each_warning_once():
+    done = _cli("train", "--train-iters", "1", "--verbose", *TINY)
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("warning: ")]
+    assert any("Transformer Engine and Apex are not installed" in line for line in warnings), done.stderr
+    assert len(warnings) == len(set(warnings)), "two ranks, each warning printed once"
+    assert not any(NOTE_LINE.match(line) for line in done.stderr.splitlines())
+
+
+def test_check_prints_no_warning_text():
+    done = _cli("check", "--optimize-vocab-parallel-ce", "--layout", "tp2", "--iters", "1", *TINY)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[0].startswith("check --optimize-vocab-parallel-ce | layout tp2"), done.stdout
+    assert "verdict: PASS" in done.stdout
+    assert not WARNING_TEXT.search(done.stdout + done.stderr), done.stdout + done.stderr
+    stderr = done.stderr.splitlines()
+    assert len(stderr) == 1 and NOTE_LINE.match(stderr[0]), stderr
