@@ -85,5 +85,11 @@ def forward_rank_output(send) -> None:
     logging.getLogger().addHandler(_ForwardRecords(send))
 
 
+def print_rank_zero_warnings_once(rank: int) -> None:
+    """Under torchrun, where no launcher of ours collects them: rank 0 prints each distinct warning once (the
+    known-harmless ones counted when PRINTER closes); the other ranks' warnings are dropped unless verbose."""
+    forward_rank_output(PRINTER.add if rank == 0 or verbose() else (lambda text: None))
+
+
 # One printer per process: a job that launches ranks several times (mm-adaptor check) shows each warning once.
 PRINTER = WarningPrinter()

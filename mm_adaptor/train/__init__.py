@@ -43,6 +43,9 @@ def main(argv=None) -> int:
     except (LayoutError, FeatureConfigError) as exc:
         parser.error(str(exc))
     if under_launcher():
+        from mm_adaptor.output import print_rank_zero_warnings_once
+
+        print_rank_zero_warnings_once(int(os.environ["RANK"]))
         run_rank(args)
         return 0
     try:

@@ -54,3 +54,20 @@ def test_check_prints_no_warning_text():
     assert not WARNING_TEXT.search(done.stdout + done.stderr), done.stdout + done.stderr
     stderr = done.stderr.splitlines()
     assert len(stderr) == 1 and NOTE_LINE.match(stderr[0]), stderr
+
+
+def test_under_torchrun_rank_zero_prints_each_warning_once():
+    from mm_adaptor.launcher import free_port
+
+    env = {key: value for key, value in os.environ.items() if key not in ("MM_ADAPTOR_VERBOSE", "PYTHONWARNINGS")}
+    env.update(MM_ADAPTOR_DEVICE="cpu", OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), "-m", "mm_adaptor.cli", "train", "--train-iters", "1", *TINY]
+    quiet = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert quiet.returncode == 0, quiet.stderr
+    assert " training summary: " in quiet.stdout
+    assert not WARNING_TEXT.search(quiet.stdout + quiet.stderr), quiet.stderr
+    assert [line for line in quiet.stderr.splitlines() if NOTE_LINE.match(line)], "rank 0 counts what it hid"
+    loud = subprocess.run([*command, "--verbose"], capture_output=True, text=True, timeout=600, env=env)
+    shown = [line for line in loud.stderr.splitlines() if line.startswith("warning: ")]
+    assert any("Transformer Engine and Apex are not installed" in line for line in shown), loud.stderr
