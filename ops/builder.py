@@ -48,9 +48,17 @@ def cache_root() -> Path:
     return Path(base) / "mm_adaptor" / "ops"
 
 
+DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+
 def sources(device: str) -> list[Path]:
+    """The device's own kernels, then the device-generic ATen code in csrc/common built into every library."""
     suffix = ".cu" if device == "cuda" else ".cpp"
-    return sorted((CSRC / device).glob(f"*{suffix}"))
+    return sorted((CSRC / device).glob(f"*{suffix}")) + sorted((CSRC / "common").glob("*.cpp"))
+
+
+def cxx_flags(device: str) -> list[str]:
+    return [*CXX_FLAGS, f"-DMM_ADAPTOR_DISPATCH_KEY={DISPATCH_KEYS[device]}"]
 
 
 def compiler(device: str) -> str:
@@ -72,7 +80,7 @@ def compiler(device: str) -> str:
 def cache_key(device: str) -> str:
     digest = hashlib.sha256()
     for part in (torch.__version__, str(torch.version.cuda), sys.version, compiler(device),
-                 " ".join(CXX_FLAGS + NVCC_FLAGS), _cpu_features()):
+                 " ".join(cxx_flags(device) + NVCC_FLAGS), _cpu_features()):
         digest.update(part.encode())
     for src in sources(device):
         digest.update(src.name.encode())
@@ -159,7 +167,7 @@ def _compile(device: str, name: str, srcs: list[Path], build_dir: Path, verbose:
     from torch.utils.cpp_extension import load
 
     try:
-        load(name=name, sources=[str(s) for s in srcs], build_directory=str(build_dir), extra_cflags=CXX_FLAGS,
+        load(name=name, sources=[str(s) for s in srcs], build_directory=str(build_dir), extra_cflags=cxx_flags(device),
              extra_cuda_cflags=NVCC_FLAGS if device == "cuda" else None, is_python_module=False, verbose=verbose)
     except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
         for stale in build_dir.glob("*.so"):

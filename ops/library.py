@@ -22,8 +22,6 @@ SCHEMAS = {
     "grouped_matmul_fwd": "(Tensor x, Tensor weights, Tensor tokens_per_expert) -> Tensor",
     "grouped_matmul_bwd": "(Tensor dy, Tensor x, Tensor weights, Tensor tokens_per_expert) -> (Tensor, Tensor)",
 }
-# Ops whose native kernel is registered for every device (ATen GEMMs): no reference needed per device.
-DEVICE_AGNOSTIC = {"grouped_matmul_fwd", "grouped_matmul_bwd"}
 REFERENCES = {
     "rms_norm_fwd": ref.rms_norm_fwd,
     "rms_norm_bwd": ref.rms_norm_bwd,
@@ -149,7 +147,7 @@ torch.library.register_autograd("mm_adaptor::grouped_matmul_fwd", _gmm_backward,
 
 # ---------------------------------------------------------------- per-device kernels
 
-DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+from mm_adaptor.ops.builder import DISPATCH_KEYS  # noqa: E402 - one table for the builder and the dispatcher
 _state_lock = threading.Lock()
 _device_state: dict[str, dict] = {}  # device type -> {"native": bool, "why": str}
 
@@ -189,13 +187,7 @@ def _load(device_type: str) -> dict:
 def _register_references(device_type: str) -> None:
     key = DISPATCH_KEYS[device_type]
     for name, fn in REFERENCES.items():
-        if name in DEVICE_AGNOSTIC and _agnostic_registered():
-            continue
         _impl_lib.impl(name, fn, key)
-
-
-def _agnostic_registered() -> bool:
-    return any(s.get("native") for s in _device_state.values())
 
 
 def status() -> dict[str, dict]:
