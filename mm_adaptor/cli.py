@@ -346,9 +346,10 @@ def main(argv=None) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     if command in COMMANDS:
-        from mm_adaptor.launcher import Interrupted
+        from mm_adaptor.launcher import Interrupted, report_interruptions
         from mm_adaptor.output import PRINTER
 
+        report_interruptions()
         try:
             status = COMMANDS[command][0](rest)
         except Interrupted as exc:  # the ranks are stopped; one line, no traceback

@@ -225,14 +225,30 @@ def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, timeout: flo
         raise ValueError(f"--nproc-per-node must be at least 1, got {nproc}")
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // nproc)
-    with _signals_noted() as signals:
-        for attempt in range(1, PORT_ATTEMPTS + 1):
-            try:
-                return _launch_once(fn, args, nproc, timeout, threads_per_rank, free_port(), signals)
-            except LaunchError as exc:
-                if (isinstance(exc, Interrupted) or attempt == PORT_ATTEMPTS
-                        or not any(text in str(exc) for text in _PORT_TAKEN)):
-                    raise
+    try:
+        with _signals_noted() as signals:
+            for attempt in range(1, PORT_ATTEMPTS + 1):
+                try:
+                    return _launch_once(fn, args, nproc, timeout, threads_per_rank, free_port(), signals)
+                except LaunchError as exc:
+                    if (isinstance(exc, Interrupted) or attempt == PORT_ATTEMPTS
+                            or not any(text in str(exc) for text in _PORT_TAKEN)):
+                        raise
+    except Interrupted as exc:
+        if not _interruptions_reported:
+            signal.raise_signal(exc.signum)  # the ranks are gone; now the signal does what it did before
+        raise
+
+
+# The mm-adaptor commands turn a signal into Interrupted (one line, exit 128 + N). Any other caller (a test
+# session, a user's script) gets the signal's own effect (KeyboardInterrupt, termination, its own handler) once
+# the ranks are stopped, then Interrupted if its handler returns.
+_interruptions_reported = False
+
+
+def report_interruptions() -> None:
+    global _interruptions_reported
+    _interruptions_reported = True
 
 
 @contextlib.contextmanager

@@ -40,6 +40,9 @@ class DeviceBackend:
     def torch_device(self) -> torch.device:
         raise NotImplementedError
 
+    def set_local_device(self, local_rank: int) -> None:
+        """Bind this process to the device of its local rank (where there is one per rank)."""
+
     def core_patch_sets(self) -> list[PatchSet]:
         """Patches applied at install time (torch and megatron.core): the device's own, then the compat fixes."""
         return [*self.device_patch_sets(), *compat_patch_sets()]

@@ -14,6 +14,9 @@ class CudaBackend(DeviceBackend):
     def torch_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
 
+    def set_local_device(self, local_rank: int) -> None:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
     def device_patch_sets(self):
         if not torch.cuda.is_available():
             raise RuntimeError("the cuda backend was requested but torch sees no CUDA device")

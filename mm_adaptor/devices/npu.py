@@ -36,6 +36,9 @@ class NpuBackend(DeviceBackend):
     def torch_device(self) -> torch.device:
         return torch.device("npu", torch.npu.current_device())
 
+    def set_local_device(self, local_rank: int) -> None:
+        torch.npu.set_device(local_rank % torch.npu.device_count())
+
     def device_patch_sets(self):
         try:
             import torch_npu  # noqa: F401

@@ -13,10 +13,11 @@ class MockBatches:
 
     ALPHABET = 128
 
-    def __init__(self, args, dp_rank: int, start_iteration: int = 0):
+    def __init__(self, args, dp_rank: int, start_iteration: int = 0, device=None):
         import torch
 
         self.torch = torch
+        self.device = device or torch.device("cpu")
         self.args = args
         self.dp_rank = dp_rank
         self.iteration = start_iteration
@@ -48,4 +49,5 @@ class MockBatches:
         labels = seqs[:, 1:].contiguous()
         position_ids = torch.arange(a.seq_length).unsqueeze(0).expand_as(tokens).contiguous()
         loss_mask = torch.ones_like(tokens, dtype=torch.float)
-        return {"tokens": tokens, "labels": labels, "position_ids": position_ids, "loss_mask": loss_mask}
+        batch = {"tokens": tokens, "labels": labels, "position_ids": position_ids, "loss_mask": loss_mask}
+        return {name: tensor.to(self.device) for name, tensor in batch.items()}

@@ -68,8 +68,15 @@ def _entries(model):
             yield f"chunk{i}.{name}", p, view
 
 
+def _host_copy(tensor):
+    """An fp32 copy in host memory: what the dump keeps, on every device."""
+    import torch
+
+    return tensor.to("cpu", torch.float32, copy=True)
+
+
 def parameters_snapshot(model) -> dict:
-    return {key: view(p.detach()).float().clone() for key, p, view in _entries(model)}
+    return {key: _host_copy(view(p.detach())) for key, p, view in _entries(model)}
 
 
 def gradients_snapshot(model) -> dict:
@@ -80,7 +87,7 @@ def gradients_snapshot(model) -> dict:
         if g is None:
             g = p.grad
         if g is not None:
-            grads[key] = view(g.detach()).float().clone()
+            grads[key] = _host_copy(view(g.detach()))
     return grads
 
 
@@ -117,7 +124,7 @@ class Recorder:
             if key not in self.activations:
                 out = output[0] if isinstance(output, (tuple, list)) else output
                 if hasattr(out, "detach"):
-                    self.activations[key] = out.detach().float().clone()
+                    self.activations[key] = _host_copy(out.detach())
 
         return hook
 

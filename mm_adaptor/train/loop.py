@@ -101,12 +101,13 @@ def train_step(state: RunState, data_iterators, forward_backward_func, step_func
     return loss, (None if grad_norm is None else float(grad_norm))
 
 
-def _share_loss_from_last_stage(loss):
+def _share_loss_from_last_stage(loss, device):
     """Every rank learns the step's loss (it lives on the last pipeline stage)."""
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([loss if loss is not None else 0.0, 1.0 if loss is not None else 0.0], dtype=torch.float64)
+    t = torch.tensor([loss if loss is not None else 0.0, 1.0 if loss is not None else 0.0], dtype=torch.float64,
+                     device=device)
     dist.all_reduce(t)
     return float(t[0] / t[1])
 
@@ -123,6 +124,7 @@ def run_rank(args: argparse.Namespace) -> None:
     backend = devices.install()
     mm_adaptor.enable(args)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend.set_local_device(int(os.environ.get("LOCAL_RANK", rank)))
     if not dist.is_initialized():
         dist.init_process_group(backend=backend.dist_backend, rank=rank, world_size=world)
     try:
@@ -137,7 +139,7 @@ def run_rank(args: argparse.Namespace) -> None:
         mm_adaptor.disable()
 
 
-def _build(args) -> RunState:
+def _build(args, device) -> RunState:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
@@ -157,7 +159,7 @@ def _build(args) -> RunState:
     _set_seeds(args.seed)
     config = transformer_config(args)
     state = RunState(args=args)
-    state.model = wrap_model(args, config, build_model(args, config))
+    state.model = wrap_model(args, config, build_model(args, config, device))
     state.optimizer, state.scheduler = build_optimizer(args, config, state.model)
     config.grad_scale_func = state.optimizer.scale_loss
     connect_grad_sync(args, config, state.model)
@@ -178,9 +180,10 @@ def _train(args, backend) -> None:
     from mm_adaptor.train.data import MockBatches
     from mm_adaptor.train.dump import Recorder
 
-    state = _build(args)
+    device = backend.torch_device()  # where the model, its batches and the collectives' tensors live
+    state = _build(args, device)
     recorder = Recorder(state.model) if args.dump else None
-    data = [MockBatches(args, ps.get_data_parallel_rank(), state.iteration) for _ in state.model]
+    data = [MockBatches(args, ps.get_data_parallel_rank(), state.iteration, device) for _ in state.model]
     fb = get_forward_backward_func()
     tokens_per_step = args.global_batch_size * args.seq_length
     layout = describe_layout(args)
@@ -197,7 +200,7 @@ def _train(args, backend) -> None:
                                      after_backward=recorder.after_backward if recorder else None)
         elapsed = time.perf_counter() - t0
         state.iteration += 1
-        loss = _share_loss_from_last_stage(loss)
+        loss = _share_loss_from_last_stage(loss, device)
         rec = StepRecord(state.iteration, loss, grad_norm, elapsed * 1000, state.optimizer.param_groups[0]["lr"],
                          tokens_per_step / elapsed)
         state.records.append(rec)

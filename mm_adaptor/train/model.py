@@ -70,7 +70,8 @@ def transformer_config(args):
     return TransformerConfig(**kwargs)
 
 
-def build_model(args, config):
+def build_model(args, config, device):
+    """The model chunks of this rank on `device` (initialised on the host, so every device starts alike)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -93,7 +94,7 @@ def build_model(args, config):
             position_embedding_type=args.position_embedding_type,
             rotary_percent=args.rotary_percent,
             vp_stage=stage,
-        ))
+        ).to(device))
     return chunks
 
 

@@ -258,6 +258,43 @@ def test_an_interrupted_check_stops_its_ranks_with_one_line(tmp_path):
     assert len(stderr) == 1 and stderr[0].startswith("mm-adaptor check: interrupted (SIGINT) "), stderr
 
 
+_LIBRARY_CALLER = """
+import sys
+import time
+
+from mm_adaptor.launcher import launch
+
+
+def sleep():
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    try:
+        launch(sleep, nproc=2, timeout=600, threads_per_rank=0)
+    except KeyboardInterrupt:
+        sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 3), (signal.SIGTERM, -signal.SIGTERM)],
+                         ids=["SIGINT-raises-KeyboardInterrupt", "SIGTERM-terminates"])
+def test_a_library_caller_gets_the_signal_s_own_effect_once_the_ranks_are_gone(tmp_path, signum, status):
+    """Outside the mm-adaptor commands (a test session, a user's script) a signal keeps its meaning."""
+    script = tmp_path / "caller.py"
+    script.write_text(_LIBRARY_CALLER)
+    caller = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
+    try:
+        descendants = _ranks_running(caller)
+        caller.send_signal(signum)
+        assert caller.wait(timeout=30) == status
+        _assert_all_gone(descendants, within=5)
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+            caller.wait()
+
+
 def test_the_launcher_leaves_no_process_behind():
     """Run last in this module: nothing the tests here started is still running (but this process's own
     multiprocessing resource tracker, which lives as long as it does)."""

@@ -85,7 +85,7 @@ def build_tiny_gpt(argv):
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     config = transformer_config(args)
-    model = wrap_model(args, config, build_model(args, config))
+    model = wrap_model(args, config, build_model(args, config, torch.device("cpu")))
     optimizer, _ = build_optimizer(args, config, model)
     return model, optimizer
 
