@@ -93,12 +93,13 @@ def cached_run(args: argparse.Namespace, *, echo: bool = False):
 def initial_checkpoint(args: argparse.Namespace, scratch: Path, *, echo: bool = False) -> Path:
     """A weights-only checkpoint of the model `args` builds, before any step (cached like a baseline)."""
     from mm_adaptor import train
+    from mm_adaptor.train.checkpoint import latest_checkpoint
 
     init = argparse.Namespace(**vars(args))
     init.train_iters, init.save, init.load = 0, None, None
     directory = cache_dir()
     target = directory / f"init-{key(init)}" if directory else scratch / "init"
-    if (target / "latest_checkpointed_iteration.txt").exists():
+    if latest_checkpoint(target) is not None:
         return target
     init.save = str(target)
     train.run(init, echo=echo)
