@@ -13,12 +13,12 @@ import pytest
 
 from mm_adaptor import train
 from mm_adaptor.launcher import LaunchError, launch, report_progress
+from mm_adaptor.train.checkpoint import MARKER
 
 pytestmark = pytest.mark.distributed
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--vocab-size", "128", "--nproc-per-node", "2"]
-MARKER = "latest_checkpointed_iteration.txt"
 # launch() without a thread count for torch: the ranks need not import it, so they start in well under a second
 NO_TORCH = 0
 
