@@ -1,55 +1,26 @@
 """Native ops: PyTorch custom operators in the `mm_adaptor` namespace, dispatched by the tensor's device.
 
-Each op has a native CPU kernel (C++), a CUDA kernel (.cu), an NPU implementation (torch_npu), a fake
-implementation, an autograd formula and a plain-PyTorch reference (`mm_adaptor.ops.reference`). Kernels are
+Each op has one module (rms_norm.py, swiglu.py, rotary_pos_emb.py, matmul_add.py, grouped_matmul.py) holding
+its schemas, fake implementations, autograd formula, plain-PyTorch reference and the kernel that serves each
+device: native CPU (C++) and CUDA (.cu) kernels, torch_npu on the NPU; `library` registers them. Kernels are
 built just in time on first use (or ahead of time with `mm-adaptor build-ops`); where no build is possible
 the reference runs, with one warning.
 """
 
 from __future__ import annotations
 
-import torch
-
 from mm_adaptor.ops import library
 from mm_adaptor.ops.attention import flash_attention
-from mm_adaptor.ops.library import ensure, op
+from mm_adaptor.ops.grouped_matmul import grouped_matmul
+from mm_adaptor.ops.matmul_add import matmul_add_fp32
+from mm_adaptor.ops.rms_norm import rms_norm
+from mm_adaptor.ops.rotary_pos_emb import rotary_pos_emb
+from mm_adaptor.ops.swiglu import swiglu
 
 __all__ = ["rms_norm", "swiglu", "rotary_pos_emb", "matmul_add_fp32", "grouped_matmul", "flash_attention",
            "status", "build"]
 
 OP_NAMES = ("rms_norm", "swiglu", "rotary_pos_emb", "matmul_add_fp32", "grouped_matmul", "flash_attention")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim, fp32 accumulation."""
-    ensure(x.device.type)
-    return op("rms_norm_fwd")(x, weight, float(eps))[0]
-
-
-def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """Megatron's convention: a, b = x.chunk(2, -1); silu(a) * b. Backward recomputes silu from x."""
-    ensure(x.device.type)
-    return op("swiglu_fwd")(x)
-
-
-def rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Megatron's apply_rotary_pos_emb for [s, b, h, d]: rotates the first freqs.shape[-1] channels."""
-    ensure(t.device.type)
-    return op("rotary_pos_emb_fwd")(t, freqs, bool(interleaved))
-
-
-def matmul_add_fp32(main_grad: torch.Tensor, grad_output: torch.Tensor, input: torch.Tensor) -> None:
-    """main_grad (fp32) += grad_output^T @ input, without fp32 copies of the inputs."""
-    ensure(main_grad.device.type)
-    op("matmul_add_fp32")(main_grad, grad_output, input)
-
-
-def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """Expert GEMMs over token-sorted rows: y[rows of e] = x[rows of e] @ weights[e]."""
-    ensure(x.device.type)
-    if not torch.is_tensor(tokens_per_expert):
-        tokens_per_expert = torch.tensor(list(tokens_per_expert), dtype=torch.long)
-    return op("grouped_matmul_fwd")(x, weights, tokens_per_expert.to("cpu", torch.long))
 
 
 def build(device: str = "cpu", verbose: bool = True):

@@ -1,153 +1,68 @@
-"""The `mm_adaptor` operator namespace: schemas, fake (meta) implementations, autograd formulas, and the
-choice per device between the native kernels and the plain-PyTorch references."""
+"""The `mm_adaptor` operator registry: each op module declares its ops as `OpSpec`s; this module registers their
+schemas, fakes and autograd formulas, and loads per device the native kernels or the plain-PyTorch references."""
 
 from __future__ import annotations
 
 import threading
 import warnings
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from mm_adaptor.ops import reference as ref
+from mm_adaptor.ops.builder import DISPATCH_KEYS
 
 NAMESPACE = "mm_adaptor"
-SCHEMAS = {
-    "rms_norm_fwd": "(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)",
-    "rms_norm_bwd": "(Tensor dy, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)",
-    "swiglu_fwd": "(Tensor x) -> Tensor",
-    "swiglu_bwd": "(Tensor dy, Tensor x) -> Tensor",
-    "rotary_pos_emb_fwd": "(Tensor t, Tensor freqs, bool interleaved) -> Tensor",
-    "rotary_pos_emb_bwd": "(Tensor dy, Tensor freqs, bool interleaved) -> Tensor",
-    "matmul_add_fp32": "(Tensor(a!) main_grad, Tensor grad_output, Tensor input) -> ()",
-    "grouped_matmul_fwd": "(Tensor x, Tensor weights, Tensor tokens_per_expert) -> Tensor",
-    "grouped_matmul_bwd": "(Tensor dy, Tensor x, Tensor weights, Tensor tokens_per_expert) -> (Tensor, Tensor)",
-}
-REFERENCES = {
-    "rms_norm_fwd": ref.rms_norm_fwd,
-    "rms_norm_bwd": ref.rms_norm_bwd,
-    "swiglu_fwd": ref.swiglu_fwd,
-    "swiglu_bwd": ref.swiglu_bwd,
-    "rotary_pos_emb_fwd": ref.rotary_pos_emb_fwd,
-    "rotary_pos_emb_bwd": ref.rotary_pos_emb_bwd,
-    "matmul_add_fp32": ref.matmul_add_fp32,
-    "grouped_matmul_fwd": ref.grouped_matmul_fwd,
-    "grouped_matmul_bwd": ref.grouped_matmul_bwd,
-}
+NPU_DISPATCH_KEY = "PrivateUse1"
 
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One operator and the implementation that serves each device.
+
+    native: the devices whose native library (csrc/<device>/, csrc/common/) has a kernel for it; elsewhere, and
+    where the native build is impossible, the reference runs. npu: the torch_npu implementation, None for the
+    reference. backward and setup_context: its autograd formula, for ops that have one.
+    """
+
+    name: str
+    schema: str
+    reference: Callable
+    fake: Callable
+    native: tuple[str, ...]
+    npu: Callable | None = None
+    backward: Callable | None = None
+    setup_context: Callable | None = None
+
+
+SPECS: dict[str, OpSpec] = {}
 _lib = torch.library.Library(NAMESPACE, "DEF")
-for _name, _schema in SCHEMAS.items():
-    _lib.define(_name + _schema)
 _impl_lib = torch.library.Library(NAMESPACE, "IMPL")
+
+
+def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
+    """float64 for float64 inputs, float32 otherwise (as the native kernels accumulate)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def op(name: str):
     return getattr(torch.ops.mm_adaptor, name).default
 
 
-# ---------------------------------------------------------------- fake implementations
+def register(*specs: OpSpec) -> tuple[OpSpec, ...]:
+    """Define each op with its fake implementation and autograd formula; kernels come with `ensure`."""
+    if _device_state:
+        raise RuntimeError(f"mm_adaptor ops must be registered before kernels load (already loaded: {status()})")
+    for spec in specs:
+        qualname = f"{NAMESPACE}::{spec.name}"
+        _lib.define(spec.name + spec.schema)
+        torch.library.register_fake(qualname, spec.fake)
+        if spec.backward is not None:
+            torch.library.register_autograd(qualname, spec.backward, setup_context=spec.setup_context)
+        SPECS[spec.name] = spec
+    return specs
 
 
-@torch.library.register_fake("mm_adaptor::rms_norm_fwd")
-def _(x, weight, eps):
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return torch.empty_like(x), x.new_empty((rows,), dtype=acc)
-
-
-@torch.library.register_fake("mm_adaptor::rms_norm_bwd")
-def _(dy, x, weight, rstd):
-    return torch.empty_like(x), torch.empty_like(weight)
-
-
-@torch.library.register_fake("mm_adaptor::swiglu_fwd")
-def _(x):
-    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
-
-
-@torch.library.register_fake("mm_adaptor::swiglu_bwd")
-def _(dy, x):
-    return torch.empty_like(x)
-
-
-@torch.library.register_fake("mm_adaptor::rotary_pos_emb_fwd")
-def _(t, freqs, interleaved):
-    return torch.empty_like(t)
-
-
-@torch.library.register_fake("mm_adaptor::rotary_pos_emb_bwd")
-def _(dy, freqs, interleaved):
-    return torch.empty_like(dy)
-
-
-@torch.library.register_fake("mm_adaptor::matmul_add_fp32")
-def _(main_grad, grad_output, input):
-    return None
-
-
-@torch.library.register_fake("mm_adaptor::grouped_matmul_fwd")
-def _(x, weights, tokens_per_expert):
-    return x.new_empty((x.shape[0], weights.shape[2]))
-
-
-@torch.library.register_fake("mm_adaptor::grouped_matmul_bwd")
-def _(dy, x, weights, tokens_per_expert):
-    return torch.empty_like(x), torch.empty_like(weights)
-
-
-# ---------------------------------------------------------------- autograd
-
-
-def _rms_setup(ctx, inputs, output):
-    x, weight, eps = inputs
-    ctx.save_for_backward(x, weight, output[1])
-
-
-def _rms_backward(ctx, dy, _drstd):
-    x, weight, rstd = ctx.saved_tensors
-    dx, dw = op("rms_norm_bwd")(dy.contiguous(), x, weight, rstd)
-    return dx, dw, None
-
-
-def _swiglu_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])  # only the input: silu is recomputed in backward
-
-
-def _swiglu_backward(ctx, dy):
-    (x,) = ctx.saved_tensors
-    return op("swiglu_bwd")(dy.contiguous(), x)
-
-
-def _rope_setup(ctx, inputs, output):
-    _t, freqs, interleaved = inputs
-    ctx.save_for_backward(freqs)
-    ctx.interleaved = interleaved
-
-
-def _rope_backward(ctx, dy):
-    (freqs,) = ctx.saved_tensors
-    return op("rotary_pos_emb_bwd")(dy.contiguous(), freqs, ctx.interleaved), None, None
-
-
-def _gmm_setup(ctx, inputs, output):
-    x, weights, counts = inputs
-    ctx.save_for_backward(x, weights, counts)
-
-
-def _gmm_backward(ctx, dy):
-    x, weights, counts = ctx.saved_tensors
-    dx, dw = op("grouped_matmul_bwd")(dy.contiguous(), x, weights, counts)
-    return dx, dw, None
-
-
-torch.library.register_autograd("mm_adaptor::rms_norm_fwd", _rms_backward, setup_context=_rms_setup)
-torch.library.register_autograd("mm_adaptor::swiglu_fwd", _swiglu_backward, setup_context=_swiglu_setup)
-torch.library.register_autograd("mm_adaptor::rotary_pos_emb_fwd", _rope_backward, setup_context=_rope_setup)
-torch.library.register_autograd("mm_adaptor::grouped_matmul_fwd", _gmm_backward, setup_context=_gmm_setup)
-
-
-# ---------------------------------------------------------------- per-device kernels
-
-from mm_adaptor.ops.builder import DISPATCH_KEYS  # noqa: E402 - one table for the builder and the dispatcher
 _state_lock = threading.Lock()
 _device_state: dict[str, dict] = {}  # device type -> {"native": bool, "why": str}
 
@@ -167,26 +82,35 @@ def ensure(device_type: str) -> dict:
 
 def _load(device_type: str) -> dict:
     if device_type == "npu":
-        from mm_adaptor.ops import npu
-
-        return npu.register(_impl_lib)
+        return _load_npu()
     if device_type not in DISPATCH_KEYS:
         return {"native": False, "why": f"no kernels for device type {device_type!r}"}
     from mm_adaptor.ops import builder
 
+    key = DISPATCH_KEYS[device_type]
     try:
         result = builder.build(device_type)
-        return {"native": True, "why": f"native {device_type} kernels from {result.library}", "result": result}
     except builder.BuildUnavailable as exc:
-        _register_references(device_type)
+        _impl(key, {spec.name: spec.reference for spec in SPECS.values()})
         warnings.warn(f"mm_adaptor native ops for {device_type}: {exc}; the plain-PyTorch references run instead "
                       "(correct, slower)", RuntimeWarning, stacklevel=3)
         return {"native": False, "why": str(exc)}
+    _impl(key, {spec.name: spec.reference for spec in SPECS.values() if device_type not in spec.native})
+    return {"native": True, "why": f"native {device_type} kernels from {result.library}", "result": result}
 
 
-def _register_references(device_type: str) -> None:
-    key = DISPATCH_KEYS[device_type]
-    for name, fn in REFERENCES.items():
+def _load_npu() -> dict:
+    """torch_npu's fused kernels where an op has one, else its reference. Not verified on NPU hardware."""
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return {"native": False, "why": "torch_npu is not installed"}
+    _impl(NPU_DISPATCH_KEY, {spec.name: spec.npu or spec.reference for spec in SPECS.values()})
+    return {"native": True, "why": "torch_npu fused kernels (not verified on NPU hardware)"}
+
+
+def _impl(key: str, kernels: dict[str, Callable]) -> None:
+    for name, fn in kernels.items():
         _impl_lib.impl(name, fn, key)
 
 

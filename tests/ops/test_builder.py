@@ -35,7 +35,7 @@ def test_cache_key_follows_sources_and_torch(monkeypatch, tmp_path):
     shutil.copytree(builder.CSRC, fake)
     monkeypatch.setattr(builder, "CSRC", fake)
     assert builder.cache_key("cpu") == key
-    (fake / "cpu" / "norm_act_rope.cpp").write_text((fake / "cpu" / "norm_act_rope.cpp").read_text() + "\n// x\n")
+    (fake / "cpu" / "rms_norm.cpp").write_text((fake / "cpu" / "rms_norm.cpp").read_text() + "\n// x\n")
     assert builder.cache_key("cpu") != key
 
 
