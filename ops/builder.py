@@ -1,8 +1,10 @@
 """Builds the native ops library just in time (or ahead of time with `mm-adaptor build-ops`).
 
-The build is cached under a key made of the torch version, the compiler, the Python ABI, the flags and the
-sources, and guarded by an exclusive file lock, so that many ranks starting at once build once and the
-others wait and load the result. A lock held by a process that dies is released by the OS.
+The build is cached under a key made of the torch version, the compiler (and for CUDA the nvcc version and
+the GPU architectures built for), the Python ABI, the flags, the sources and their headers, and guarded by an
+exclusive file lock, so that many ranks starting at once build once and the others wait and load the result.
+A lock held by a process that dies is released by the OS. The library is built in a private directory and
+published by an atomic rename, so no process ever sees a half-written library.
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ def sources(device: str) -> list[Path]:
     return sorted((CSRC / device).glob(f"*{suffix}")) + sorted((CSRC / "common").glob("*.cpp"))
 
 
+def headers(device: str) -> list[Path]:
+    return sorted(p for folder in (CSRC / device, CSRC / "common") for pattern in ("*.h", "*.cuh")
+                  for p in folder.glob(pattern))
+
+
 def cxx_flags(device: str) -> list[str]:
     return [*CXX_FLAGS, f"-DMM_ADAPTOR_DISPATCH_KEY={DISPATCH_KEYS[device]}"]
 
@@ -77,12 +84,40 @@ def compiler(device: str) -> str:
     return version.splitlines()[0] if version else exe
 
 
+def cuda_architectures() -> str:
+    """What torch's extension builder compiles for: TORCH_CUDA_ARCH_LIST, else the visible GPUs' capabilities."""
+    configured = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if configured:
+        return configured
+    if not torch.cuda.is_available():
+        return "no visible GPU"
+    return ";".join(sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}))
+
+
+def nvcc_version() -> str:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else shutil.which("nvcc")
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError, TypeError) as exc:
+        raise BuildUnavailable(f"cannot run nvcc ({nvcc}): {exc}") from exc
+    return out.strip().splitlines()[-1] if out.strip() else "unknown nvcc"
+
+
+def key_parts(device: str) -> list[str]:
+    parts = [torch.__version__, str(torch.version.cuda), sys.version, compiler(device),
+             " ".join(cxx_flags(device) + NVCC_FLAGS), _cpu_features()]
+    if device == "cuda":
+        parts += [nvcc_version(), cuda_architectures()]
+    return parts
+
+
 def cache_key(device: str) -> str:
     digest = hashlib.sha256()
-    for part in (torch.__version__, str(torch.version.cuda), sys.version, compiler(device),
-                 " ".join(cxx_flags(device) + NVCC_FLAGS), _cpu_features()):
+    for part in key_parts(device):
         digest.update(part.encode())
-    for src in sources(device):
+    for src in sources(device) + headers(device):
         digest.update(src.name.encode())
         digest.update(src.read_bytes())
     return digest.hexdigest()[:16]
@@ -152,24 +187,33 @@ def build(device: str, *, verbose: bool = False) -> BuildResult:
                 print(f"mm_adaptor: building native {device} ops ({len(srcs)} sources; first use, about 40 s on 2 cores; "
                       f"cached in {build_dir})", file=sys.stderr, flush=True)
                 with _Ticker(f"building native {device} ops"):
-                    _compile(device, name, srcs, build_dir, verbose)
+                    _compile_and_publish(device, name, srcs, build_dir, verbose)
                 with open(root / "builds.log", "a") as log:
                     log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} built {device}-{key}\n")
                 print(f"mm_adaptor: built native {device} ops in {time.monotonic() - start:.0f} s", file=sys.stderr,
                       flush=True)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-    torch.ops.load_library(str(library))
+    try:
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError) as exc:
+        raise BuildUnavailable(f"the native {device} library {library} does not load: {exc}") from exc
     return BuildResult(device, library, built_now, time.monotonic() - start)
 
 
-def _compile(device: str, name: str, srcs: list[Path], build_dir: Path, verbose: bool) -> None:
+def _compile_and_publish(device: str, name: str, srcs: list[Path], build_dir: Path, verbose: bool) -> None:
+    """Build in a private directory beside the cache entry, then rename the library into place."""
     from torch.utils.cpp_extension import load
 
+    private = build_dir.with_name(f"{build_dir.name}.building-{os.getpid()}")
+    shutil.rmtree(private, ignore_errors=True)
+    private.mkdir()
     try:
-        load(name=name, sources=[str(s) for s in srcs], build_directory=str(build_dir), extra_cflags=cxx_flags(device),
-             extra_cuda_cflags=NVCC_FLAGS if device == "cuda" else None, is_python_module=False, verbose=verbose)
+        load(name=name, sources=[str(s) for s in srcs], build_directory=str(private), extra_cflags=cxx_flags(device),
+             extra_cuda_cflags=NVCC_FLAGS if device == "cuda" else None,
+             extra_include_paths=[str(CSRC / device)], is_python_module=False, verbose=verbose)
+        os.replace(private / f"{name}.so", build_dir / f"{name}.so")
     except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
-        for stale in build_dir.glob("*.so"):
-            stale.unlink()
         raise BuildUnavailable(f"building the native {device} ops failed: {exc}") from exc
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
