@@ -39,6 +39,66 @@ def test_cache_key_follows_sources_and_torch(monkeypatch, tmp_path):
     assert builder.cache_key("cpu") != key
 
 
+def test_cuda_key_follows_nvcc_architectures_and_headers(monkeypatch, tmp_path):
+    monkeypatch.setattr(builder, "compiler", lambda device: "c++ (test)")
+    monkeypatch.setattr(builder, "nvcc_version", lambda: "Cuda compilation tools, release 13.0")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    key = builder.cache_key("cuda")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    assert builder.cache_key("cuda") != key
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    monkeypatch.setattr(builder, "nvcc_version", lambda: "Cuda compilation tools, release 12.8")
+    assert builder.cache_key("cuda") != key
+    monkeypatch.setattr(builder, "nvcc_version", lambda: "Cuda compilation tools, release 13.0")
+    fake = tmp_path / "csrc"
+    shutil.copytree(builder.CSRC, fake)
+    monkeypatch.setattr(builder, "CSRC", fake)
+    assert builder.cache_key("cuda") == key
+    header = fake / "cuda" / "vectorized.cuh"
+    header.write_text(header.read_text() + "\n// x\n")
+    assert builder.cache_key("cuda") != key
+
+
+def test_a_failed_build_publishes_nothing(monkeypatch, tmp_path):
+    import torch.utils.cpp_extension as ext
+
+    def half_written(name, build_directory, **_):
+        (tmp_path / "private").write_text(build_directory)
+        (builder.Path(build_directory) / f"{name}.so").write_bytes(b"\x7fELF truncated")
+        raise RuntimeError("linker killed")
+
+    monkeypatch.setenv(builder.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(ext, "load", half_written)
+    with pytest.raises(builder.BuildUnavailable, match="linker killed"):
+        builder.build("cpu")
+    assert builder.cached_library("cpu") is None
+    assert not builder.Path((tmp_path / "private").read_text()).exists()
+
+
+FALLS_BACK = ("import importlib, warnings, torch, mm_adaptor.ops as o\n"
+              "rms_norm = importlib.import_module('mm_adaptor.ops.rms_norm')\n"
+              "with warnings.catch_warnings(record=True) as caught:\n"
+              "    warnings.simplefilter('always')\n"
+              "    x, w = torch.randn(3, 8), torch.randn(8)\n"
+              "    y = o.rms_norm(x, w)\n"
+              "    o.swiglu(torch.randn(2, 4))\n"
+              "assert torch.equal(y, rms_norm.reference_fwd(x, w, 1e-5)[0])\n"
+              "s = o.library.status()['cpu']\n"
+              "assert not s['native'] and 'does not load' in s['why'], s\n"
+              "print('WARNINGS', len([c for c in caught if 'references run instead' in str(c.message)]))\n")
+
+
+def test_a_library_that_does_not_load_falls_back_to_the_references_with_one_warning(tmp_path):
+    env = dict(os.environ, MM_ADAPTOR_OPS_CACHE=str(tmp_path))
+    env.pop("PYTHONWARNINGS", None)
+    key = builder.cache_key("cpu")
+    (tmp_path / f"cpu-{key}").mkdir()
+    (tmp_path / f"cpu-{key}" / "mm_adaptor_ops_cpu.so").write_bytes(b"not a shared library")
+    done = subprocess.run([sys.executable, "-c", FALLS_BACK], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "WARNINGS 1" in done.stdout, done.stdout
+
+
 NVCC = shutil.which("nvcc")
 
 
