@@ -128,7 +128,7 @@ def _print_errors(prog: str, error: object) -> int:
 def check_main(argv: list[str]) -> int:
     """mm-adaptor check --use-X [...] [--layout L|all] [--bf16] [model/layout flags]."""
     from mm_adaptor import harness
-    from mm_adaptor.harness.compare import TRAIN_FLAGS_HINT, checked_args
+    from mm_adaptor.harness.compare import TRAIN_FLAGS_HINT, checked_args, ranks_for
     from mm_adaptor.train import build_parser
 
     parser = ArgumentParser(
@@ -136,21 +136,25 @@ def check_main(argv: list[str]) -> int:
         description="Train the tiny GPT with the given features off and on (fresh processes, same seeds and data) "
                     "and judge per-step losses, every step's gradients and the parameters against the features' "
                     "tolerance. Any other flag is passed to mm-adaptor train for both runs.")
-    parser.add_argument("--layout", default="tp2-sp",
-                        help=f"one of {', '.join(harness.LAYOUTS)}, or 'all' (default tp2-sp)")
+    parser.add_argument("--layout", default=None,
+                        help=f"one of {', '.join(harness.LAYOUTS)}, or 'all' (default tp2-sp; single on a node with "
+                             "one GPU)")
     parser.add_argument("--iters", type=int, default=4, help="training steps per run (default 4)")
-    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="ranks per run (default: what the layout needs, 1 for single, else 2)")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--show-training", action="store_true", help="print both runs' iteration lines")
     parser.add_argument("--no-baseline-cache", action="store_true",
                         help="retrain the unpatched run even if an identical one is cached")
     args, rest = parser.parse_known_args(argv)
+    layout_given = args.layout is not None
+    args.layout = args.layout or "tp2-sp"  # until every flag is checked; then the node's devices may say single
     if args.layout != "all" and args.layout not in harness.LAYOUTS:
         parser.fail(f"--layout {args.layout}: not a layout: choose one of {', '.join(harness.LAYOUTS)} or all"
                     + (f"; {did_you_mean(args.layout, harness.LAYOUTS)}" if did_you_mean(args.layout, harness.LAYOUTS)
                        else ""))
     for flag, value in (("--iters", args.iters), ("--nproc-per-node", args.nproc_per_node)):
-        if value < 1:
+        if value is not None and value < 1:
             parser.fail(f"{flag} {value}: must be at least 1")
     if not args.timeout > 0:
         parser.fail(f"--timeout {args.timeout}: must be more than 0")
@@ -161,14 +165,25 @@ def check_main(argv: list[str]) -> int:
     feature_flags = {flag.option for _, flag in features_all_flags()}
     feature_args, extra = _split_feature_args(rest, feature_flags)
     layouts = list(harness.LAYOUTS) if args.layout == "all" else [args.layout]
+
+    def problems(layouts: list[str], check_devices: bool) -> str | None:
+        for layout in layouts:  # every layout's configuration is checked before the first one trains
+            try:
+                checked_args([*harness.LAYOUTS[layout], *extra, *feature_args, "--train-iters", str(args.iters),
+                              "--nproc-per-node", str(args.nproc_per_node or ranks_for(layout)),
+                              "--timeout", str(args.timeout)], check_devices=check_devices)
+            except harness.HarnessError as exc:
+                where = f"layout {layout}: " if len(layouts) > 1 else ""
+                return "\n".join(where + line for line in str(exc).splitlines())
+        return None
+
+    problem = problems(layouts, check_devices=layout_given)
+    if problem is None and not layout_given:
+        layouts = [_default_check_layout()]
+        problem = problems(layouts, check_devices=True)
+    if problem:
+        return _print_errors(parser.prog, problem)
     failed = []
-    for layout in layouts:  # every layout's configuration is checked before the first one trains
-        try:
-            checked_args([*harness.LAYOUTS[layout], *extra, *feature_args, "--train-iters", str(args.iters),
-                          "--nproc-per-node", str(args.nproc_per_node), "--timeout", str(args.timeout)])
-        except harness.HarnessError as exc:
-            where = f"layout {layout}: " if len(layouts) > 1 else ""
-            return _print_errors(parser.prog, "\n".join(where + line for line in str(exc).splitlines()))
     with _baseline_cache(not args.no_baseline_cache):
         for layout in layouts:
             try:
@@ -183,6 +198,19 @@ def check_main(argv: list[str]) -> int:
         print(f"summary: {len(layouts) - len(failed)}/{len(layouts)} layouts within tolerance"
               + (f"; outside: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
+
+
+def _default_check_layout() -> str:
+    """tp2-sp, or single where the collective library wants one device per rank and the node has one."""
+    from mm_adaptor import devices
+
+    backend = devices.current() or devices.make(devices.choose()[0])
+    available = backend.devices_per_node()
+    if available is not None and available < 2:
+        print(f"mm-adaptor check: layout single (this node has {available} {backend.name.upper()} device; tp2-sp "
+              "needs 2)", flush=True)
+        return "single"
+    return "tp2-sp"
 
 
 def _baseline_cache(enabled: bool):

@@ -43,6 +43,19 @@ class DeviceBackend:
     def set_local_device(self, local_rank: int) -> None:
         """Bind this process to the device of its local rank (where there is one per rank)."""
 
+    def devices_per_node(self) -> int | None:
+        """How many ranks one node can run, one device each; None where ranks share the host (CPU)."""
+        return None
+
+    def ranks_per_node_problem(self, ranks: int) -> str | None:
+        """Why `ranks` ranks cannot run on this node (the collective library wants one device per rank)."""
+        available = self.devices_per_node()
+        if available is None or ranks <= available:
+            return None
+        return (f"{ranks} ranks on this node need {ranks} {self.name.upper()} devices (one per rank for "
+                f"{self.dist_backend.upper()}), but torch sees {available}: use --nproc-per-node {available} or "
+                f"fewer (mm-adaptor check: --layout single runs on one device)")
+
     def core_patch_sets(self) -> list[PatchSet]:
         """Patches applied at install time (torch and megatron.core): the device's own, then the compat fixes."""
         return [*self.device_patch_sets(), *compat_patch_sets()]

@@ -17,6 +17,9 @@ class CudaBackend(DeviceBackend):
     def set_local_device(self, local_rank: int) -> None:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
+    def devices_per_node(self) -> int:
+        return torch.cuda.device_count()
+
     def device_patch_sets(self):
         if not torch.cuda.is_available():
             raise RuntimeError("the cuda backend was requested but torch sees no CUDA device")

@@ -39,6 +39,9 @@ class NpuBackend(DeviceBackend):
     def set_local_device(self, local_rank: int) -> None:
         torch.npu.set_device(local_rank % torch.npu.device_count())
 
+    def devices_per_node(self) -> int:
+        return torch.npu.device_count()
+
     def device_patch_sets(self):
         try:
             import torch_npu  # noqa: F401

@@ -22,7 +22,14 @@ LAYOUTS: dict[str, list[str]] = {
                  "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8"],
     "dp2-distopt": ["--num-layers", "2", "--use-distributed-optimizer", "--overlap-grad-reduce"],
     "ep2-moe": ["--num-layers", "2", "--num-experts", "4", "--expert-model-parallel-size", "2"],
+    "single": ["--num-layers", "2"],
 }
+# Ranks each layout runs; "single" is for a machine with one GPU (two ranks cannot share one under NCCL).
+LAYOUT_RANKS = {"single": 1}
+
+
+def ranks_for(layout: str | None) -> int:
+    return LAYOUT_RANKS.get(layout, 2)
 
 
 class HarnessError(RuntimeError):
@@ -96,20 +103,20 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         raise HarnessError(str(exc)) from None
 
 
-def _checked(args: argparse.Namespace) -> argparse.Namespace:
+def _checked(args: argparse.Namespace, check_devices: bool = True) -> argparse.Namespace:
     """Every rule of the driver and of the switched-on features; HarnessError has one line per problem."""
     from mm_adaptor.train import LayoutError, check_args
 
     try:
-        check_args(args, args.nproc_per_node)
+        check_args(args, args.nproc_per_node, check_devices=check_devices)
     except (LayoutError, features.FeatureConfigError) as exc:
         raise HarnessError(str(exc)) from None
     return args
 
 
-def checked_args(argv: list[str]) -> argparse.Namespace:
+def checked_args(argv: list[str], *, check_devices: bool = True) -> argparse.Namespace:
     """Parse and validate one run's training arguments without training (HarnessError if they cannot run)."""
-    return _checked(_parse(argv))
+    return _checked(_parse(argv), check_devices)
 
 
 def _run(run, args, echo):
@@ -124,7 +131,7 @@ def _run(run, args, echo):
 
 
 def compare(feature_args: list[str], *, layout: str | None = None, extra_args: list[str] = (),
-            iters: int = 4, nproc: int = 2, timeout: float = 600.0, tolerance: Tolerance | None = None,
+            iters: int = 4, nproc: int | None = None, timeout: float = 600.0, tolerance: Tolerance | None = None,
             echo: bool = False, require_features: bool = True) -> Comparison:
     """Train with `feature_args` off and on; judge losses, every step's gradients and the parameters.
 
@@ -143,6 +150,7 @@ def compare(feature_args: list[str], *, layout: str | None = None, extra_args: l
     feature_args = [*feature_args, *(a for a in extra_args if a in omitted)]
     extra_args = [a for a in extra_args if a not in omitted]
     tol = tolerance or tolerance_for(list(feature_args))
+    nproc = nproc or ranks_for(layout)
     base = [*(LAYOUTS[layout] if layout else []), *extra_args, "--train-iters", str(iters),
             "--nproc-per-node", str(nproc), "--timeout", str(timeout)]
     off_args, on_args = _checked(_parse(base)), _checked(_parse([*base, *feature_args]))

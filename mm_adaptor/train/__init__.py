@@ -19,7 +19,7 @@ __all__ = ["main", "run", "parse_args", "build_parser", "finalize_args", "Layout
            "dump_entries", "check_args"]
 
 
-def check_args(args: argparse.Namespace, world_size: int) -> None:
+def check_args(args: argparse.Namespace, world_size: int, *, check_devices: bool = True) -> None:
     """Raise LayoutError (one line per problem) or FeatureConfigError before any rank starts: ranges and layout,
     then the features, then the directories (only then is --save created and probed)."""
     from mm_adaptor import features
@@ -29,6 +29,18 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     options = features.fill_defaults(args)
     features.validate(options, features.serving(options, features.enabled_features(options)))
     check_paths(args)
+    problem = check_devices and _ranks_per_node_problem(args)  # last: it imports torch
+    if problem:
+        raise LayoutError(problem)
+
+
+def _ranks_per_node_problem(args: argparse.Namespace) -> str | None:
+    from mm_adaptor import devices
+    from mm_adaptor.launcher import under_launcher
+
+    backend = devices.current() or devices.make(devices.choose()[0])
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if under_launcher() else args.nproc_per_node
+    return backend.ranks_per_node_problem(ranks)
 
 
 def main(argv=None) -> int:
