@@ -1,5 +1,7 @@
 """Native ops against their plain-PyTorch references, forward and backward, float64 and working dtypes,
 random shapes including odd sizes; torch.library.opcheck on every op; the native CPU build must load.
+Every op test also runs on CUDA where a GPU is present (the CUDA library must then build and load); the
+shapes cover the CUDA kernels' 16-byte-pack paths, their scalar paths and their ATen fallbacks.
 
 Tolerances (max abs error relative to the reference, with the reference computed in float64 for float64 and
 in fp32 accumulation otherwise): float64 1e-10; float32 1e-5 (rel); bfloat16 2e-2; float16 2e-3 — bf16/fp16
@@ -17,7 +19,10 @@ from mm_adaptor.ops.library import SPECS, ensure, op
 TOL = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2),
        torch.float16: (2e-3, 2e-3)}
 DTYPES = list(TOL)
-SHAPES = [(1, 7), (3, 5, 33), (17, 255), (64, 1024), (2, 3, 4, 130)]
+# (5, 16384): the widest rows held in registers; (2, 40000): wider than registers hold, the ATen path on CUDA
+SHAPES = [(1, 7), (3, 5, 33), (17, 255), (64, 1024), (2, 3, 4, 130), (5, 16384), (2, 40000)]
+NO_GPU = "no CUDA device here: the CUDA kernels are compile-checked only (tests/ops/test_builder.py)"
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU))]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,19 +31,31 @@ def native_cpu():
     assert state["native"], f"the native CPU ops did not build: {state['why']}"
 
 
+@pytest.fixture(params=DEVICES)
+def device(request):
+    if request.param == "cuda":
+        state = ensure("cuda")
+        assert state["native"], f"the native CUDA ops did not build: {state['why']}"
+    return request.param
+
+
+def on(device, *tensors):
+    return [t.to(device) for t in tensors]
+
+
 def reference(name):
     return SPECS[name].reference
 
 
-def poison_allocator():
+def poison_allocator(device="cpu"):
     """Leave NaNs in freshly freed memory so an op that forgets to write part of its output is caught."""
-    junk = [torch.full((1 << 16,), float("nan")) for _ in range(8)]
+    junk = [torch.full((1 << 16,), float("nan"), device=device) for _ in range(8)]
     del junk
 
 
 def close(actual, expected, dtype):
     rtol, atol = TOL[dtype]
-    torch.testing.assert_close(actual.to(torch.float64), expected.to(torch.float64), rtol=rtol, atol=atol)
+    torch.testing.assert_close(actual.cpu().to(torch.float64), expected.cpu().to(torch.float64), rtol=rtol, atol=atol)
 
 
 def rand(shape, dtype, seed, requires_grad=False):
@@ -49,46 +66,59 @@ def rand(shape, dtype, seed, requires_grad=False):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_rms_norm(dtype, shape):
+def test_rms_norm(dtype, shape, device, weight_dtype=None):
     seed = random.randrange(1 << 30)
-    x, w, dy = rand(shape, dtype, seed), rand(shape[-1:], dtype, seed + 1), rand(shape, dtype, seed + 2)
-    poison_allocator()
-    y, rstd = op("rms_norm_fwd")(x, w, 1e-5)
+    x, dy = rand(shape, dtype, seed), rand(shape, dtype, seed + 2)
+    w = rand(shape[-1:], weight_dtype or dtype, seed + 1)
+    poison_allocator(device)
+    y, rstd = op("rms_norm_fwd")(*on(device, x, w), 1e-5)
     y_ref, rstd_ref = reference("rms_norm_fwd")(x, w, 1e-5)
     close(y, y_ref, dtype)
     close(rstd, rstd_ref, torch.float32 if dtype != torch.float64 else dtype)
-    poison_allocator()
-    dx, dw = op("rms_norm_bwd")(dy, x, w, rstd_ref)
+    assert rstd.dtype == rstd_ref.dtype
+    poison_allocator(device)
+    dx, dw = op("rms_norm_bwd")(*on(device, dy, x, w, rstd_ref))
     dx_ref, dw_ref = reference("rms_norm_bwd")(dy, x, w, rstd_ref)
     close(dx, dx_ref, dtype)
     close(dw, dw_ref, dtype if dtype == torch.float64 else torch.bfloat16)
+    assert (dx.dtype, dw.dtype) == (dx_ref.dtype, dw_ref.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(7, 64), (3, 4096), (2, 129)])
+def test_rms_norm_with_fp32_weight(dtype, shape, device):
+    test_rms_norm(dtype, shape, device, weight_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 2), (3, 5, 34), (17, 254), (64, 2048), (5, 2202)])  # 2202: a partial last block
-def test_swiglu(dtype, shape):
+# 2202: a partial last block; 22016: 2 x 11008, a row of 16-byte packs
+@pytest.mark.parametrize("shape", [(1, 2), (3, 5, 34), (17, 254), (64, 2048), (5, 2202), (3, 22016)])
+def test_swiglu(dtype, shape, device):
     seed = random.randrange(1 << 30)
     x = rand(shape, dtype, seed)
     dy = rand((*shape[:-1], shape[-1] // 2), dtype, seed + 1)
-    poison_allocator()
-    close(op("swiglu_fwd")(x), reference("swiglu_fwd")(x), dtype)
-    poison_allocator()
-    close(op("swiglu_bwd")(dy, x), reference("swiglu_bwd")(dy, x), dtype)
+    poison_allocator(device)
+    close(op("swiglu_fwd")(*on(device, x)), reference("swiglu_fwd")(x), dtype)
+    poison_allocator(device)
+    close(op("swiglu_bwd")(*on(device, dy, x)), reference("swiglu_bwd")(dy, x), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("s,b,h,d,rot", [(1, 1, 1, 2, 2), (7, 3, 5, 16, 16), (9, 2, 3, 24, 10), (33, 2, 4, 64, 32)])
-def test_rotary_pos_emb(dtype, interleaved, s, b, h, d, rot):
+# (5, 1, 2, 9, 8): an odd head dim; (6, 2, 4, 128, 64): packs with channels passed through; positions 1: broadcast
+@pytest.mark.parametrize("s,b,h,d,rot,positions", [
+    (1, 1, 1, 2, 2, 1), (7, 3, 5, 16, 16, 7), (9, 2, 3, 24, 10, 9), (33, 2, 4, 64, 32, 33), (5, 1, 2, 9, 8, 5),
+    (6, 2, 4, 128, 128, 6), (6, 2, 4, 128, 64, 6), (4, 2, 3, 32, 32, 1)])
+def test_rotary_pos_emb(dtype, interleaved, s, b, h, d, rot, positions, device):
     seed = random.randrange(1 << 30)
     t, dy = rand((s, b, h, d), dtype, seed), rand((s, b, h, d), dtype, seed + 1)
-    freqs = rand((s, 1, 1, rot), torch.float32, seed + 2) * 3
-    poison_allocator()
-    close(op("rotary_pos_emb_fwd")(t, freqs, interleaved), reference("rotary_pos_emb_fwd")(t, freqs, interleaved),
-          dtype)
-    poison_allocator()
-    close(op("rotary_pos_emb_bwd")(dy, freqs, interleaved), reference("rotary_pos_emb_bwd")(dy, freqs, interleaved),
-          dtype)
+    freqs = rand((positions, 1, 1, rot), torch.float32, seed + 2) * 3
+    poison_allocator(device)
+    close(op("rotary_pos_emb_fwd")(*on(device, t, freqs), interleaved),
+          reference("rotary_pos_emb_fwd")(t, freqs, interleaved), dtype)
+    poison_allocator(device)
+    close(op("rotary_pos_emb_bwd")(*on(device, dy, freqs), interleaved),
+          reference("rotary_pos_emb_bwd")(dy, freqs, interleaved), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -107,28 +137,28 @@ def test_rotary_matches_megatron_apply_rotary_pos_emb(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,out,inp", [(1, 1, 1), (37, 5, 9), (4100, 17, 33), (128, 64, 128)])
-def test_matmul_add_fp32(dtype, tokens, out, inp):
+def test_matmul_add_fp32(dtype, tokens, out, inp, device):
     seed = random.randrange(1 << 30)
     go, x = rand((tokens, out), dtype, seed), rand((tokens, inp), dtype, seed + 1)
     start = rand((out, inp), torch.float32, seed + 2)  # accumulation target: existing values must be kept
-    main_grad, expected = start.clone(), start.clone()
-    op("matmul_add_fp32")(main_grad, go, x)
+    main_grad, expected = start.clone().to(device), start.clone()
+    op("matmul_add_fp32")(main_grad, *on(device, go, x))
     reference("matmul_add_fp32")(expected, go, x)
     # fp32 accumulation over `tokens` products: the error grows like sqrt(tokens)
-    torch.testing.assert_close(main_grad, expected, rtol=1e-5, atol=4e-6 * tokens ** 0.5)
+    torch.testing.assert_close(main_grad.cpu(), expected, rtol=1e-5, atol=4e-6 * tokens ** 0.5)
     assert main_grad.dtype == torch.float32
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("counts", [[3, 0, 5], [0, 0, 1], [16, 7, 1, 9], [0, 0, 0]])
-def test_grouped_matmul(dtype, counts):
+def test_grouped_matmul(dtype, counts, device):
     seed = random.randrange(1 << 30)
     tokens, inp, out = sum(counts), 13, 6
     x, w = rand((tokens, inp), dtype, seed), rand((len(counts), inp, out), dtype, seed + 1)
     dy = rand((tokens, out), dtype, seed + 2)
     c = torch.tensor(counts)
-    close(op("grouped_matmul_fwd")(x, w, c), reference("grouped_matmul_fwd")(x, w, c), dtype)
-    dx, dw = op("grouped_matmul_bwd")(dy, x, w, c)
+    close(op("grouped_matmul_fwd")(*on(device, x, w), c), reference("grouped_matmul_fwd")(x, w, c), dtype)
+    dx, dw = op("grouped_matmul_bwd")(*on(device, dy, x, w), c)
     dx_ref, dw_ref = reference("grouped_matmul_bwd")(dy, x, w, c)
     close(dx, dx_ref, dtype)
     close(dw, dw_ref, dtype)
