@@ -117,3 +117,16 @@ def test_cuda_sources_compile_with_nvcc(source, tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / "out.o").stat().st_size > 0
+
+
+def test_every_native_source_is_packaged():
+    """A non-editable install carries only what pyproject's package-data names: each csrc file must match."""
+    import fnmatch
+    import tomllib
+
+    project = tomllib.loads((builder.CSRC.parents[1] / "pyproject.toml").read_text())
+    patterns = project["tool"]["setuptools"]["package-data"]["mm_adaptor.ops"]
+    files = [p.relative_to(builder.CSRC.parent).as_posix() for p in builder.CSRC.rglob("*") if p.is_file()]
+    assert files
+    unpackaged = [f for f in files if not any(fnmatch.fnmatch(f, pattern) for pattern in patterns)]
+    assert not unpackaged, f"add these to package-data in pyproject.toml: {unpackaged}"
