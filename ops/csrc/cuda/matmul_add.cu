@@ -18,8 +18,10 @@ void matmul_add_fp32_cuda(at::Tensor& main_grad, const at::Tensor& grad_output, 
   if (go.size(0) == 0) return;
   if (x.scalar_type() == at::kFloat) {
     main_grad.addmm_(go.t(), x);
-  } else {
+  } else if (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16) {
     at::addmm_out(main_grad, main_grad, go.t(), x, at::kFloat, /*beta=*/1, /*alpha=*/1);
+  } else {  // float64: addmm's out_dtype takes only fp16/bf16 to fp32; the product in float64, rounded once
+    main_grad.add_(at::mm(go.t(), x).to(at::kFloat));
   }
 }
 

@@ -247,9 +247,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& dy_in, const a
   const int64_t rows = n ? x.numel() / n : 0;
   TORCH_CHECK(dy.sizes() == x.sizes(), "rms_norm backward: dy and x shapes differ");
   TORCH_CHECK(rstd.numel() == rows, "rms_norm backward: rstd has ", rstd.numel(), " values for ", rows, " rows");
+  TORCH_CHECK(w.numel() == n, "rms_norm backward: weight has ", w.numel(), " elements but the hidden size is ", n);
   auto dx = at::empty_like(x);
   auto dw = at::empty({n}, w.options());
-  if (rows == 0 || n == 0) return {dx, dw.to(w_in.scalar_type())};
+  if (rows == 0 || n == 0) return {dx, dw.zero_().to(w_in.scalar_type())};  // a sum over no rows is 0
   bool launched = false;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_bwd", [&] {
     using T = scalar_t;

@@ -169,8 +169,8 @@ at::Tensor rope_apply(const at::Tensor& t_in, const at::Tensor& freqs_in, bool i
   TORCH_CHECK(rot <= d && rot % 2 == 0, "rotary_pos_emb: the rotary dim (", rot, ") must be even and at most the head "
               "dim (", d, ")");
   const int64_t positions = rot ? freqs_in.numel() / rot : 0;
-  TORCH_CHECK(positions == 1 || positions == s, "rotary_pos_emb: freqs hold ", positions, " positions for a sequence "
-              "of ", s);
+  TORCH_CHECK(rot == 0 || positions == 1 || positions == s, "rotary_pos_emb: freqs hold ", positions,
+              " positions for a sequence of ", s);
   auto freqs = freqs_in.to(acc).contiguous().reshape({positions, rot});
   auto out = at::empty_like(t);
   if (t.numel() == 0) return out;
