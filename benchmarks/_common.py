@@ -1,8 +1,11 @@
-"""Pieces the benchmark scripts share: timing and the Markdown table they print."""
+"""Pieces the benchmark scripts share: timing, the device's copy bandwidth and the Markdown table they print."""
 
 from __future__ import annotations
 
 import platform
+import statistics
+import time
+from importlib import metadata
 
 import torch
 from torch.utils import benchmark
@@ -13,9 +16,63 @@ def median_ms(fn, min_run_time: float) -> float:
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
+def cuda_median_ms(fn, min_run_time: float, block_ms: float = 20.0, min_blocks: int = 5) -> float:
+    """Median per-call time from CUDA events: blocks of back-to-back calls (about block_ms each), each block
+    timed on the GPU between two events and divided by its call count, until min_run_time seconds have passed."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    calls = max(1, int(block_ms / max(start.elapsed_time(end), 1e-3)))
+    samples = []
+    deadline = time.perf_counter() + min_run_time
+    while len(samples) < min_blocks or time.perf_counter() < deadline:
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / calls)
+    return statistics.median(samples)
+
+
+def device_median_ms(fn, min_run_time: float, device: str) -> float:
+    """CUDA events on a CUDA device, torch.utils.benchmark elsewhere."""
+    if torch.device(device).type == "cuda":
+        return cuda_median_ms(fn, min_run_time)
+    return median_ms(fn, min_run_time)
+
+
+def copy_bandwidth_gbs(device: str, nbytes: int, min_run_time: float) -> float:
+    """Device-to-device copy of an nbytes buffer: GB/s (1e9 bytes) = 2 x nbytes / time (a copy reads and writes)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    ms = device_median_ms(lambda: dst.copy_(src), min_run_time, device)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def device_name(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def package_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def print_table_header(setup: str, columns: list[str]) -> None:
     """One line naming the machine and the setup, then a Markdown table header."""
     print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, {setup}")
+    print_columns(columns)
+
+
+def print_columns(columns: list[str]) -> None:
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns), flush=True)

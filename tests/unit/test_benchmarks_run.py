@@ -1,23 +1,153 @@
-"""The benchmark scripts still run (tiny sizes): each checks its native path against the compared one first."""
+"""The benchmark scripts still run (tiny sizes): each checks its native path against the compared one first.
 
+The end-to-end run of Megatron-LM's pretrain_gpt.py needs a Megatron-LM checkout: set MM_ADAPTOR_MEGATRON_LM to
+it (and MM_ADAPTOR_MEGATRON_LM_PYTHON to an interpreter with its Python needs, default this one)."""
+
+import importlib.util
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
+def run_script(script, *args, timeout=600):
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def table_rows(stdout):
+    header, *rows = [line for line in stdout.splitlines() if line.startswith("| ")]
+    return header, [[cell.strip() for cell in row.strip().strip("|").split("|")] for row in rows]
+
+
+def load_benchmark(name, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import _common
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.parametrize("script, args, rows", [
-    ("ops.py", ["--tokens", "64", "--hidden", "64", "--dtype", "float32"], 8),
     ("moe_experts.py", ["--tokens", "64", "--hidden", "32", "--ffn", "16", "--experts", "2"], 4),
     ("vocab_parallel_ce.py", ["--tokens", "64", "--vocab-shard", "128", "--dtype", "float32", "--rounds", "1"], 3),
 ])
 def test_benchmark_prints_its_table(script, args, rows):
-    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args, "--min-run-time", "0.01"],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    header, *measured = [line for line in done.stdout.splitlines() if line.startswith("| ")]
-    assert len(measured) == rows and " ms " in header, done.stdout
-    assert not any("nan" in line or "inf" in line for line in measured), done.stdout
+    stdout = run_script(script, *args, "--min-run-time", "0.01")
+    header, *measured = [line for line in stdout.splitlines() if line.startswith("| ")]
+    assert len(measured) == rows and " ms " in header, stdout
+    assert not any("nan" in line or "inf" in line for line in measured), stdout
+
+
+def test_ops_benchmark_reports_bandwidth_of_every_implementation(monkeypatch):
+    stdout = run_script("ops.py", "--tokens", "64", "--hidden", "64", "--dtype", "float32", "--min-run-time", "0.01",
+                        "--copy-mib", "4")
+    copy = re.search(r"device-to-device copy of 4 MiB: ([\d.]+) GB/s", stdout)
+    assert copy and float(copy.group(1)) > 0, stdout
+    header, rows = table_rows(stdout)
+    assert "GB/s" in header and "% of copy" in header, stdout
+    impls = {"rms_norm": 5, "swiglu": 4, "rotary_pos_emb": 4}
+    assert len(rows) == 2 * sum(impls.values()), stdout
+    for op, count in impls.items():
+        for label in ("fwd", "fwd+bwd"):
+            assert len([r for r in rows if r[0] == op and r[3] == label]) == count, (op, label, stdout)
+
+    bench = load_benchmark("ops", monkeypatch)
+    shapes = {"rms_norm": (64, 64), "swiglu": (64, 64), "rotary_pos_emb": (32, 2, 1, 64)}
+    for op, dtype, shape, label, impl, ms, gbs, percent, ratio in rows:
+        if impl in ("mm_adaptor", "eager", "torch F.rms_norm") or (impl == "torch.compile"
+                                                                     and not ms.startswith("compile failed")):
+            expected = bench.MIN_BYTES[op](shapes[op], torch.float32)[label] / (float(ms) * 1e-3) / 1e9
+            assert float(gbs) == pytest.approx(expected, rel=0.002), (op, impl, label, stdout)
+            assert float(percent.rstrip("%")) == pytest.approx(100 * expected / float(copy.group(1)),
+                                                               rel=0.005, abs=0.06)
+            assert ratio.endswith("x") and (impl != "mm_adaptor" or ratio == "1.00x"), stdout
+        elif impl == "liger":
+            assert ms in ("not installed", "needs CUDA (Triton kernels)") or ms.startswith("import failed"), stdout
+        else:
+            pytest.fail(f"{op} {impl} {label}: {ms}")
+
+
+def test_ops_benchmark_byte_formulas(monkeypatch):
+    bench = load_benchmark("ops", monkeypatch)
+    # x [2, 4] fp32: fwd reads x, w, writes y, rstd; bwd reads dy, x, w, rstd, writes dx, dw
+    assert bench.rms_norm_min_bytes((2, 4), torch.float32) == {"fwd": 4 * (8 + 4 + 8) + 4 * 2,
+                                                               "fwd+bwd": 88 + 4 * (8 + 8 + 4 + 8 + 4) + 4 * 2}
+    # x [2, 2x3] bf16: fwd reads x (12), writes y (6); bwd reads dy (6), x (12), writes dx (12)
+    assert bench.swiglu_min_bytes((2, 3), torch.bfloat16) == {"fwd": 2 * 18, "fwd+bwd": 2 * (18 + 30)}
+    # t [2, 1, 1, 4] fp32 (8 elements), freqs [2, 4] fp32 read in both passes
+    assert bench.rotary_pos_emb_min_bytes((2, 1, 1, 4), torch.float32) == {"fwd": 64 + 32, "fwd+bwd": 2 * 96}
+
+
+MEGATRON_LOG = """\
+ [2026-11-23 17:28:11.790010] iteration        1/       3 | consumed samples:            2 | elapsed time per \
+iteration (ms): 953.0 | learning rate: 8.333334E-04 | global batch size:     2 | lm loss: 7.070902E+00 | loss scale: \
+1.0 | grad norm: 1.848 | number of skipped iterations:   0 | number of nan iterations:   0 |
+[mm-e2e] iteration 1 lm loss: 0x1.c4890c0000000p+2
+[Rank 0] (after 1 iterations) memory (MB) | allocated: 100.00 | max allocated: 2048.00 | reserved: 0.00 | max \
+reserved: 0.00
+ [2026-11-23 17:28:11.889654] iteration        2/       3 | consumed samples:            4 | elapsed time per \
+iteration (ms): 50.5 | learning rate: 6.666667E-04 | global batch size:     2 | lm loss: 7.056363E+00 | loss scale: \
+1.0 | grad norm: 1.830 | number of skipped iterations:   0 | number of nan iterations:   0 |
+[mm-e2e] iteration 2 lm loss: 0x1.c39c6a0000000p+2
+ [2026-11-23 17:28:11.929273] iteration        3/       3 | consumed samples:            6 | elapsed time per \
+iteration (ms): 39.5 | learning rate: 5.000000E-04 | global batch size:     2 | lm loss: 7.071983E+00 | loss scale: \
+1.0 | grad norm: 2.204 | number of skipped iterations:   0 | number of nan iterations:   0 |
+[mm-e2e] iteration 3 lm loss: 0x1.c4999c0000000p+2
+[Rank 0] (after 3 iterations) memory (MB) | allocated: 100.00 | max allocated: 3072.00 | reserved: 0.00 | max \
+reserved: 0.00
+"""
+
+
+def test_e2e_parses_megatron_log_and_judges_identity(monkeypatch):
+    e2e = load_benchmark("megatron_lm_e2e", monkeypatch)
+    run = e2e.parse_log(e2e.Run("import", "import, no flag"), MEGATRON_LOG)
+    assert run.iteration_ms == {1: 953.0, 2: 50.5, 3: 39.5} and run.median_ms(warmup=1) == 45.0
+    assert run.printed_loss == {1: 7.070902, 2: 7.056363, 3: 7.071983}
+    assert run.losses() == {1: float.fromhex("0x1.c4890c0000000p+2"), 2: float.fromhex("0x1.c39c6a0000000p+2"),
+                            3: float.fromhex("0x1.c4999c0000000p+2")}
+    assert run.max_allocated_mb == 3072.0
+
+    plain = e2e.parse_log(e2e.Run("unpatched", "unpatched"), MEGATRON_LOG)
+    assert e2e.identity_verdict({"unpatched": plain, "import": run}) is None
+    run.exact_loss[3] = float.fromhex("0x1.c4999c0000001p+2")  # one bit
+    assert "iteration 3" in e2e.identity_verdict({"unpatched": plain, "import": run})
+    assert e2e.max_relative_difference(run.losses(), plain.losses()) == pytest.approx(2 ** -50 / 7.07, rel=0.01)
+
+
+def megatron_lm_checkout():
+    path = os.environ.get("MM_ADAPTOR_MEGATRON_LM")
+    if not path or not (Path(path) / "pretrain_gpt.py").is_file():
+        pytest.skip("no Megatron-LM checkout: set MM_ADAPTOR_MEGATRON_LM to one (its pretrain_gpt.py) and "
+                    "MM_ADAPTOR_MEGATRON_LM_PYTHON to an interpreter with its Python needs")
+    return path
+
+
+@pytest.mark.distributed
+def test_e2e_runs_pretrain_gpt_on_the_cpu(tmp_path):
+    checkout = megatron_lm_checkout()
+    python = os.environ.get("MM_ADAPTOR_MEGATRON_LM_PYTHON", sys.executable)
+    done = subprocess.run([python, str(BENCHMARKS / "megatron_lm_e2e.py"), "--megatron-lm", checkout,
+                           "--device", "cpu", "--variants", "unpatched", "import", "fused-rmsnorm",
+                           "--train-iters", "4", "--warmup-iters", "1", "--log-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+    assert "[e2e]   --use-fused-rmsnorm: iteration 4/4" in done.stdout, done.stdout
+    _, rows = table_rows(done.stdout)
+    table = {row[0]: row[1:] for row in rows}
+    assert list(table) == ["unpatched", "import, no flag", "--use-fused-rmsnorm"], done.stdout
+    assert table["unpatched"][0].startswith("skipped: unpatched Megatron-LM requires CUDA"), done.stdout
+    ms, speedup, memory, loss_diff = table["import, no flag"]
+    assert float(ms) > 0 and speedup == "1.000x" and float(loss_diff) == 0, done.stdout
+    ms, speedup, memory, loss_diff = table["--use-fused-rmsnorm"]
+    assert float(ms) > 0 and float(speedup.rstrip("x")) > 0 and float(loss_diff) < 1e-5, done.stdout
+    assert (tmp_path / "fused-rmsnorm.log").read_text().count("[mm-e2e] iteration") == 4
