@@ -5,12 +5,20 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
 namespace mm_adaptor::cpu {
 
-inline constexpr int64_t kGrain = 16;  // rows per task
+// A task gets at least this many elements: smaller tensors run on the calling thread, since waking OpenMP
+// threads for a few thousand values costs more than the work (and far more when the cores are busy).
+inline constexpr int64_t kMinTaskElements = 32768;
+
+// Rows (of `row_elements` values each) per parallel_for task.
+inline int64_t grain_rows(int64_t row_elements) {
+  return std::max<int64_t>(1, kMinTaskElements / std::max<int64_t>(row_elements, 1));
+}
 
 // Accumulation (and rstd/freqs) dtype: double for double inputs, float otherwise.
 inline at::ScalarType acc_type(const at::Tensor& t) {

@@ -29,7 +29,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x_in, const at
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "rms_norm_fwd_w", [&] {
       using W = scalar_t;
       const W* wp = w.data_ptr<W>();
-      at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
           const T* xr = xp + r * n;
           A partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -68,7 +68,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& dy_in, const a
   const int64_t n = x.size(-1);
   const int64_t rows = n ? x.numel() / n : 0;
   auto dx = at::empty_like(x);
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
+  const int64_t tasks = std::max<int64_t>(
+      1, std::min<int64_t>({static_cast<int64_t>(at::get_num_threads()), rows, rows * n / kMinTaskElements}));
   auto dw_parts = at::zeros({tasks, n}, x.options().dtype(acc_type(x)));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_bwd", [&] {
     using T = scalar_t;

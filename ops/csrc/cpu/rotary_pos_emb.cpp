@@ -60,7 +60,7 @@ at::Tensor rope_apply(const at::Tensor& t_in, const at::Tensor& freqs_in, bool i
     auto rotate = [&](auto interleaved_tag, auto backward_tag) {
       constexpr bool kInterleaved = decltype(interleaved_tag)::value;
       constexpr bool kBackward = decltype(backward_tag)::value;
-      at::parallel_for(0, s, 1, [&](int64_t sb, int64_t se) {
+      at::parallel_for(0, s, grain_rows(slab), [&](int64_t sb, int64_t se) {
         std::vector<A> cs(rot), sn(rot), x_buf(std::is_same_v<T, A> ? 0 : slab), y_buf(x_buf.size());
         for (int64_t si = sb; si < se; ++si) {
           const A* f = fp + (broadcast_s ? 0 : si * rot);

@@ -69,7 +69,7 @@ at::Tensor swiglu_fwd(const at::Tensor& x_in) {
     using A = at::opmath_type<T>;  // float for half/bf16/float, double for double
     const T* xp = x.data_ptr<T>();
     T* yp = y.data_ptr<T>();
-    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain_rows(3 * n), [&](int64_t begin, int64_t end) {
       A a_buf[kBlock], b_buf[kBlock], y_buf[kBlock];
       for (int64_t r = begin; r < end; ++r) {
         for (int64_t i = 0; i < n; i += kBlock) {
@@ -99,7 +99,7 @@ at::Tensor swiglu_bwd(const at::Tensor& dy_in, const at::Tensor& x_in) {
     const T* xp = x.data_ptr<T>();
     const T* dyp = dy.data_ptr<T>();
     T* dxp = dx.data_ptr<T>();
-    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain_rows(3 * n), [&](int64_t begin, int64_t end) {
       A a_buf[kBlock], b_buf[kBlock], g_buf[kBlock], da_buf[kBlock], db_buf[kBlock];
       for (int64_t r = begin; r < end; ++r) {
         for (int64_t i = 0; i < n; i += kBlock) {
