@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Everything issue 12 needs a GPU for, in one run on a CUDA machine without network access: build the CUDA
-# ops, run the op tests on CUDA, train and check on one GPU, and measure the ops' bandwidth.
-#   bash scripts/gpu_session.sh [OUTPUT_DIR]
-# Wheels the machine lacks (megatron-core for its Python, liger-kernel to compare against) are read from .whl/
-# when present (python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl NAME).
+# What issue 12 needs a GPU for, on a CUDA machine without network access, in two parts that each fit one
+# 10-minute device command:
+#   bash scripts/gpu_session.sh ops [OUTPUT_DIR]  build the CUDA ops, op tests on CUDA, one-GPU train and check,
+#                                                 the ops' bandwidth table
+#   bash scripts/gpu_session.sh e2e [OUTPUT_DIR]  Megatron-LM's pretrain_gpt.py unpatched vs each fused flag
+# Wheels the machine lacks and a trimmed Megatron-LM come from .whl/ and .mlm/, which
+# scripts/gpu_session_prepare.sh fills on the host (carry both).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-${OUT:-gpu-results}}
+part=${1:?usage: gpu_session.sh ops|e2e [OUTPUT_DIR]}
+out=${2:-${OUT:-gpu-results}}
 mkdir -p "$out"
 site=/tmp/mm-adaptor-site
 export PYTHONUNBUFFERED=1
@@ -30,6 +33,11 @@ run() {  # run NAME COMMAND...: output to $out/NAME.log, failures counted
     [ "$rc" -eq 0 ] || status=1
 }
 
+if [ "$part" = e2e ]; then
+    [ -f .mlm/pretrain_gpt.py ] || { echo "no .mlm/: run scripts/gpu_session_prepare.sh on the host first"; exit 1; }
+    run e2e python3 benchmarks/megatron_lm_e2e.py --megatron-lm .mlm --log-dir "$out/e2e-logs"
+    exit $status
+fi
 run report python3 -m mm_adaptor.cli report
 run build python3 -m mm_adaptor.cli build-ops --device cuda
 run ops_tests python3 -m pytest -q -p no:cacheprovider tests/ops/test_ops.py tests/ops/test_every_op_on_every_device.py -rs
