@@ -1,0 +1,66 @@
+"""--recompute-activation-function [--recompute-activation-function-num-layers N]: the MLP's activation keeps its
+inputs, not its output; the output's storage is released once fc2 has saved it and refilled by recomputation
+just before fc2's backward."""
+
+from mm_adaptor.features import Feature, FeatureConfigError, Flag, Tolerance, register, require_local_spec
+
+MAIN = "--recompute-activation-function"
+NUM_LAYERS = "--recompute-activation-function-num-layers"
+
+
+@register
+class RecomputeActivation(Feature):
+    name = "recompute-activation-function"
+    description = ("the MLP's activation (SwiGLU or GeLU; dense MLP, SequentialMLP and GroupedMLP experts) keeps "
+                   "its inputs, not its output: the output's storage is released after fc2 saved it and recomputed "
+                   "into the same storage when fc2's output gradient arrives")
+    flags = (
+        Flag(MAIN, description),
+        Flag(NUM_LAYERS, "recompute the activation only in the first N transformer layers of each (virtual) "
+                         "pipeline stage (default: all)", type=int, default=None),
+    )
+    tolerance = Tolerance(exact=True, why="the recomputed activation is the same computation on the same inputs")
+
+    def is_enabled(self, options) -> bool:
+        # N alone counts as asking for the feature, so that validate can refuse it.
+        return bool(getattr(options, "recompute_activation_function", False)) or \
+            getattr(options, "recompute_activation_function_num_layers", None) is not None
+
+    def validate(self, options):
+        refusal = refusal_for(options)
+        if refusal:
+            raise FeatureConfigError(refusal)
+        require_local_spec(self, options)
+
+    def patch_sets(self, options):
+        from mm_adaptor.patches.transformer import recompute_activation as rc
+        from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+
+        contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
+        ps = PatchSet(self.name)
+        ps.wrap("megatron.core.transformer.transformer_block.TransformerBlock.__init__",
+                rc.block_init_marking_layers(getattr(options, "recompute_activation_function_num_layers", None)),
+                contract=contract)
+        ps.wrap("megatron.core.transformer.mlp.MLP.forward", rc.mlp_forward_recomputing_activation,
+                contract=contract)
+        return [ps]
+
+
+def refusal_for(options) -> str | None:
+    """One line naming the flags that cannot work together, or None."""
+    on = bool(getattr(options, "recompute_activation_function", False))
+    n = getattr(options, "recompute_activation_function_num_layers", None)
+    if n is not None and not on:
+        return f"{NUM_LAYERS} needs {MAIN}: add {MAIN} or drop {NUM_LAYERS}"
+    if n is not None and n < 0:
+        return f"{NUM_LAYERS} {n} is negative: give 0 or more layers (or leave it out for all layers)"
+    granularity = getattr(options, "recompute_granularity", None)
+    method = getattr(options, "recompute_method", None)
+    if granularity == "full" and method == "uniform":
+        return (f"{MAIN} has no layer left under --recompute-granularity full --recompute-method uniform (every "
+                f"layer is recomputed whole): use --recompute-method block or drop {MAIN}")
+    modules = getattr(options, "recompute_modules", None) or []
+    if granularity == "selective" and "moe_act" in modules:
+        return (f"{MAIN} already recomputes the experts' activation: drop moe_act from --recompute-modules or drop "
+                f"{MAIN}")
+    return None

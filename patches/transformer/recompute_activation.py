@@ -1,0 +1,138 @@
+"""The MLP activation kept without its output: its inputs are saved, its output goes to linear_fc2, and once fc2
+has saved it the output's storage is released (resize to 0); a hook on fc2's output gradient recomputes the
+activation into the same storage before fc2's backward reads it. Megatron's own CheckpointWithoutOutput (the
+mechanism behind its moe_act recompute) does the discarding and the recomputation.
+
+Which MLPs take part is decided when a TransformerBlock is built (`mark_block`): the first N layers of each block
+(one block per virtual pipeline stage), less the layers Megatron recomputes whole (--recompute-method block)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# Set on an MLP (dense, or one SequentialMLP expert) whose activation runs without keeping its output.
+RECOMPUTE_ATTR = "_mm_recompute_activation"
+
+
+class _Gives(torch.nn.Module):
+    """Stand-in for linear_fc1 while megatron's MLP.forward runs only its activation: returns fc1's outputs."""
+
+    def __init__(self, outputs):
+        super().__init__()
+        self.outputs = outputs
+
+    def forward(self, *_args, **_kwargs):
+        return self.outputs
+
+
+class _HandsBack(torch.nn.Module):
+    """Stand-in for linear_fc2: hands the activation's output back (no bias, so megatron adds none)."""
+
+    def forward(self, x, *_args, **_kwargs):
+        return x, None
+
+
+def _activation_only(wrapped, mlp, kwargs, intermediate, bias, per_token_scale):
+    """The activation step of megatron's MLP.forward (and of whatever wraps it, e.g. --use-fused-swiglu) on fc1's
+    outputs: the same code runs, with fc1 and fc2 stood in for, so the values are megatron's to the bit."""
+    modules = mlp._modules
+    fc1, fc2 = modules["linear_fc1"], modules["linear_fc2"]
+    modules["linear_fc1"], modules["linear_fc2"] = _Gives((intermediate, bias)), _HandsBack()
+    try:
+        output, _ = wrapped(None, per_token_scale=per_token_scale, **kwargs)
+    finally:
+        modules["linear_fc1"], modules["linear_fc2"] = fc1, fc2
+    return output
+
+
+def mlp_forward_recomputing_activation(wrapped, instance, args, kwargs, checkpoint_class=None):
+    """MLP.forward: fc1 -> activation (inputs kept, output released after fc2 saved it) -> fc2 [-> expert bias].
+    checkpoint_class: megatron's CheckpointWithoutOutput unless given (the harness's self-test passes a wrong one)."""
+    if instance is None:  # called through the class: MLP.forward(mlp, ...); the original then needs it too
+        instance, args = args[0], args[1:]
+        wrapped = functools.partial(wrapped, instance)
+    if not getattr(instance, RECOMPUTE_ATTR, False) or not torch.is_grad_enabled():
+        return wrapped(*args, **kwargs)
+    from megatron.core import tensor_parallel
+
+    kwargs = dict(kwargs)
+    hidden_states = args[0] if args else kwargs.pop("hidden_states")
+    per_token_scale = args[1] if len(args) > 1 else kwargs.pop("per_token_scale", None)
+    intermediate, bias = instance.linear_fc1(hidden_states)
+
+    # CheckpointWithoutOutput saves its tensor arguments: pass only the ones that exist.
+    inputs = [t for t in (intermediate, bias, per_token_scale) if t is not None]
+    has_bias, has_scale = bias is not None, per_token_scale is not None
+
+    def activation(*tensors):
+        tensors = list(tensors)
+        x = tensors.pop(0)
+        b = tensors.pop(0) if has_bias else None
+        scale = tensors.pop(0) if has_scale else None
+        return _activation_only(wrapped, instance, kwargs, x, b, scale)
+
+    # fp8=None: megatron's default (False) reads as fp8 on and reaches Transformer Engine's FP8 state
+    checkpoint = (checkpoint_class or tensor_parallel.CheckpointWithoutOutput)(fp8=None)
+    activated = checkpoint.checkpoint(activation, *inputs)
+    input_storages = {t.untyped_storage().data_ptr() for t in inputs}
+    if activated.untyped_storage().data_ptr() in input_storages:
+        # an activation that hands back (a view of) its input: nothing to release
+        checkpoint.outputs, checkpoint.ctx, checkpoint.run_function = None, None, None
+        discard = False
+    else:
+        discard = True
+    output, output_bias = instance.linear_fc2(activated)
+    if per_token_scale is not None and output_bias is not None:
+        # as megatron: an expert adds its bias, scaled by the routing probabilities, in place
+        output += output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)
+        output_bias = None
+    if discard:
+        checkpoint.discard_output_and_register_recompute(output)
+    return output, output_bias
+
+
+def _mark_mlp(mlp) -> int:
+    """Mark a layer's MLP (dense, SequentialMLP experts, GroupedMLP); returns how many were marked."""
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+
+    if type(mlp) is MLP:
+        setattr(mlp, RECOMPUTE_ATTR, True)
+        return 1
+    experts = getattr(mlp, "experts", None)
+    if isinstance(experts, SequentialMLP):
+        for expert in experts.local_experts:
+            setattr(expert, RECOMPUTE_ATTR, True)
+        return len(experts.local_experts)
+    if isinstance(experts, GroupedMLP):
+        # GroupedMLP's own moe_act recompute is this mechanism (megatron's forward, or --use-fused-gmm's)
+        experts.activation_recompute = True
+        return 1
+    return 0
+
+
+def layers_to_mark(num_layers: int, config, num_layers_option: int | None) -> range:
+    """Local layer indices of a block whose activation is recomputed: the first N (all without N), less the first
+    recompute_num_layers that --recompute-granularity full --recompute-method block recomputes whole."""
+    first = 0
+    if getattr(config, "recompute_granularity", None) == "full" and getattr(config, "recompute_method", None) == "block":
+        first = config.recompute_num_layers or 0
+    last = num_layers if num_layers_option is None else min(num_layers, num_layers_option)
+    return range(first, max(first, last))
+
+
+def block_init_marking_layers(num_layers_option: int | None):
+    """TransformerBlock.__init__ wrapper that marks the MLPs of the chosen layers."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        layers = list(getattr(instance, "layers", []))
+        for index in layers_to_mark(len(layers), instance.config, num_layers_option):
+            mlp = getattr(layers[index], "mlp", None)
+            if mlp is not None:
+                _mark_mlp(mlp)
+        return result
+
+    return wrapper

@@ -1,0 +1,40 @@
+"""A deliberately wrong --recompute-activation-function, registered only for the harness's self-test (loaded into
+the training ranks through MM_ADAPTOR_FEATURE_MODULES): it releases the activation's output like the real feature,
+but recomputes it from an input perturbed by 0.1% before refilling the storage. It claims bit-for-bit and must fail."""
+
+import functools
+
+from mm_adaptor.features import BIT_FOR_BIT, Feature, Flag, register
+
+
+def _perturbed_checkpoint_class():
+    from megatron.core.tensor_parallel import CheckpointWithoutOutput
+
+    class RecomputesFromAPerturbedInput(CheckpointWithoutOutput):
+        def _recompute(self, grad):
+            if self.run_function is not None:
+                right = self.run_function
+                self.run_function = lambda x, *rest: right(x * 1.001, *rest)
+            return super()._recompute(grad)
+
+    return RecomputesFromAPerturbedInput
+
+
+@register
+class RecomputeActivationFromPerturbedInput(Feature):
+    name = "test-recompute-activation-perturbed"
+    description = "recomputes the released MLP activation from its input x 1.001, claiming bit-for-bit"
+    flags = (Flag("--use-test-recompute-activation-perturbed", description),)
+    tolerance = BIT_FOR_BIT
+
+    def patch_sets(self, options):
+        from mm_adaptor.patches.transformer import recompute_activation as rc
+        from mm_adaptor.patching import PatchSet
+
+        ps = PatchSet(self.name)
+        ps.wrap("megatron.core.transformer.transformer_block.TransformerBlock.__init__",
+                rc.block_init_marking_layers(None))
+        ps.wrap("megatron.core.transformer.mlp.MLP.forward",
+                functools.partial(rc.mlp_forward_recomputing_activation,
+                                  checkpoint_class=_perturbed_checkpoint_class()))
+        return [ps]
