@@ -100,23 +100,38 @@ def test_a_library_that_does_not_load_falls_back_to_the_references_with_one_warn
 
 
 NVCC = shutil.which("nvcc")
+CUDA_SOURCES = sorted(p.name for p in (builder.CSRC / "cuda").glob("*.cu"))
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed on this machine")
-@pytest.mark.parametrize("source", sorted(p.name for p in (builder.CSRC / "cuda").glob("*.cu")))
-def test_cuda_sources_compile_with_nvcc(source, tmp_path):
-    """Compile-check only (nothing CUDA runs here): each .cu against the installed torch headers."""
+@pytest.fixture(scope="module")
+def nvcc_results(tmp_path_factory):
+    """Compile-check only (nothing CUDA runs here): each .cu against the installed torch headers, two at a time
+    (one file takes over a minute, almost all of it in the host compiler)."""
     import sysconfig
+    from concurrent.futures import ThreadPoolExecutor
 
     import torch.utils.cpp_extension as ext
 
+    out_dir = tmp_path_factory.mktemp("nvcc")
     includes = [f"-I{p}" for p in ext.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
-    # A CPU build of torch ships the CUDA headers without the generated c10/cuda/impl/cuda_cmake_macros.h.
-    cmd = [NVCC, "-c", *builder.NVCC_FLAGS, "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE", "--expt-relaxed-constexpr",
-           "-diag-suppress=3306", *includes, str(builder.CSRC / "cuda" / source), "-o", str(tmp_path / "out.o")]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert (tmp_path / "out.o").stat().st_size > 0
+
+    def compile_one(source):
+        # A CPU build of torch ships the CUDA headers without the generated c10/cuda/impl/cuda_cmake_macros.h.
+        cmd = [NVCC, "-c", *builder.NVCC_FLAGS, "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE", "--expt-relaxed-constexpr",
+               "-diag-suppress=3306", *includes, str(builder.CSRC / "cuda" / source), "-o", str(out_dir / f"{source}.o")]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(CUDA_SOURCES), os.cpu_count() or 1))) as pool:
+        results = dict(zip(CUDA_SOURCES, pool.map(compile_one, CUDA_SOURCES)))
+    return out_dir, results
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed on this machine")
+@pytest.mark.parametrize("source", CUDA_SOURCES)
+def test_cuda_sources_compile_with_nvcc(source, nvcc_results):
+    out_dir, results = nvcc_results
+    assert results[source].returncode == 0, results[source].stderr[-4000:]
+    assert (out_dir / f"{source}.o").stat().st_size > 0
 
 
 def test_every_native_source_is_packaged():
