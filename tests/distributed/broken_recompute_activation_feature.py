@@ -1,8 +1,11 @@
 """A deliberately wrong --recompute-activation-function, registered only for the harness's self-test (loaded into
 the training ranks through MM_ADAPTOR_FEATURE_MODULES): it releases the activation's output like the real feature,
-but recomputes it from an input perturbed by 0.1% before refilling the storage. It claims bit-for-bit and must fail."""
+but recomputes it from an input one ulp larger (in its own dtype: x * 1.001 vanishes in bf16) before refilling
+the storage. It claims bit-for-bit and must fail, in fp32 and bf16."""
 
 import functools
+
+import torch
 
 from mm_adaptor.features import BIT_FOR_BIT, Feature, Flag, register
 
@@ -14,7 +17,7 @@ def _perturbed_checkpoint_class():
         def _recompute(self, grad):
             if self.run_function is not None:
                 right = self.run_function
-                self.run_function = lambda x, *rest: right(x * 1.001, *rest)
+                self.run_function = lambda x, *rest: right(torch.nextafter(x, torch.full_like(x, float("inf"))), *rest)
             return super()._recompute(grad)
 
     return RecomputesFromAPerturbedInput
@@ -23,7 +26,7 @@ def _perturbed_checkpoint_class():
 @register
 class RecomputeActivationFromPerturbedInput(Feature):
     name = "test-recompute-activation-perturbed"
-    description = "recomputes the released MLP activation from its input x 1.001, claiming bit-for-bit"
+    description = "recomputes the released MLP activation from its input one ulp larger, claiming bit-for-bit"
     flags = (Flag("--use-test-recompute-activation-perturbed", description),)
     tolerance = BIT_FOR_BIT
 

@@ -78,10 +78,11 @@ def test_ep2_grouped_experts_on_fused_gmm():
     assert drops(result) == {"layer 1": want, "layer 2": want}
 
 
-def test_recomputing_from_a_perturbed_input_fails():
-    """The unpatched run is test_tp2_sp_fp32_first_layer_only's (cached)."""
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_recomputing_from_a_perturbed_input_fails(precision):
+    """The fp32 unpatched run is test_tp2_sp_fp32_first_layer_only's (cached)."""
     with harness.extra_feature_module("broken_recompute_activation_feature"):
         result = harness.compare(["--use-test-recompute-activation-perturbed"], layout="tp2-sp",
-                                 extra_args=["--swiglu"], iters=4)
+                                 extra_args=["--swiglu", *precision], iters=4)
     assert not result.passed
     assert result.grads.failures, "the wrong recomputation reaches the gradients"
