@@ -204,7 +204,7 @@ def _default_check_layout() -> str:
     """tp2-sp, or single where the collective library wants one device per rank and the node has one."""
     from mm_adaptor import devices
 
-    backend = devices.current() or devices.make(devices.choose()[0])
+    backend = devices.current_or_chosen()
     available = backend.devices_per_node()
     if available is not None and available < 2:
         print(f"mm-adaptor check: layout single (this node has {available} {backend.name.upper()} device; tp2-sp "

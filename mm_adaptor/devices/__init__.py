@@ -87,3 +87,8 @@ def uninstall() -> None:
 
 def current() -> DeviceBackend | None:
     return _installed
+
+
+def current_or_chosen() -> DeviceBackend:
+    """The installed backend, else the one this machine would get (not installed)."""
+    return current() or make(choose()[0])

@@ -38,7 +38,7 @@ def _ranks_per_node_problem(args: argparse.Namespace) -> str | None:
     from mm_adaptor import devices
     from mm_adaptor.launcher import under_launcher
 
-    backend = devices.current() or devices.make(devices.choose()[0])
+    backend = devices.current_or_chosen()
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if under_launcher() else args.nproc_per_node
     return backend.ranks_per_node_problem(ranks)
 
