@@ -85,6 +85,14 @@ def applied_features() -> dict[str, list[str]]:
         return {record.feature.name: record.targets() for record in _applied}
 
 
+def feature_statistics() -> dict[str, dict]:
+    """What each active feature that keeps statistics has done so far (Feature.statistics)."""
+    with _lock:
+        records = list(_applied)
+    stats = {record.feature.name: record.feature.statistics() for record in records}
+    return {name: value for name, value in stats.items() if value is not None}
+
+
 def applied() -> dict[str, list[str]]:
     """Everything patched now: applied_features(), then the installed device backend's device and
     compatibility patches under 'backend:<name>'."""

@@ -130,6 +130,10 @@ class Feature:
     def can_run_here(self) -> tuple[bool, str]:
         return True, "yes"
 
+    def statistics(self) -> dict | None:
+        """What the applied feature did so far (counts, bytes), for the driver's dump; None when it keeps none."""
+        return None
+
     def options_of(self, options) -> dict[str, Any]:
         return {flag.dest: getattr(options, flag.dest, flag.default_value()) for flag in self.flags}
 

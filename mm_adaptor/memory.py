@@ -4,6 +4,8 @@ optimizer state, per kind, on the device and parked in host memory."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from mm_adaptor.train.model import unwrap
@@ -14,14 +16,26 @@ def _storage_key(t: torch.Tensor):
     return storage.data_ptr(), storage.nbytes()
 
 
+# Accountants measuring now. A feature that packs saved tensors itself (its own saved_tensors_hooks shadow the
+# accountant's) reports each packed object here; one with memory_residence() says where its bytes are.
+_observers: list["SavedTensorAccountant"] = []
+
+
+def notify_saved(packed) -> None:
+    for accountant in _observers:
+        accountant.record(packed)
+
+
 class SavedTensorAccountant:
-    """Attributes every tensor autograd saves during one forward to the transformer layer running it."""
+    """Attributes every tensor autograd saves during one forward to the transformer layer (and the layer's child
+    module) running it, and reports the bytes left on the device and parked in host memory at the end."""
 
     OUTSIDE = "outside layers"
 
     def __init__(self, model_chunks):
         self.current = self.OUTSIDE
-        self.saved: list[tuple[str, torch.Tensor]] = []
+        self.current_module = ""
+        self.saved: list[tuple[str, str, object]] = []
         self._handles = []
         self._param_storages = set()
         for chunk in model_chunks:
@@ -33,6 +47,9 @@ class SavedTensorAccountant:
                 label = f"layer {layer.layer_number}"
                 self._handles.append(layer.register_forward_pre_hook(self._enter(label)))
                 self._handles.append(layer.register_forward_hook(self._leave))
+                for name, child in layer.named_children():
+                    self._handles.append(child.register_forward_pre_hook(self._enter_module(name)))
+                    self._handles.append(child.register_forward_hook(self._leave_module))
 
     def _enter(self, label):
         def hook(module, args):
@@ -43,29 +60,64 @@ class SavedTensorAccountant:
     def _leave(self, module, args, output):
         self.current = self.OUTSIDE
 
-    def _pack(self, t):
-        self.saved.append((self.current, t))
-        return t
+    def _enter_module(self, name):
+        def hook(module, args):
+            self.current_module = name
+
+        return hook
+
+    def _leave_module(self, module, args, output):
+        self.current_module = ""
+
+    def record(self, packed):
+        self.saved.append((self.current, self.current_module, packed))
+        return packed
 
     @staticmethod
     def _unpack(t):
         return t
 
+    @contextlib.contextmanager
     def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        _observers.append(self)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.record, self._unpack):
+                yield
+        finally:
+            _observers.remove(self)
 
-    def bytes_per_layer(self) -> dict[str, int]:
-        """Live bytes of the distinct non-parameter storages saved in each layer (first saver wins)."""
+    def _residences(self):
+        """(layer, module, residence, bytes) per distinct non-parameter storage (first saver wins)."""
         seen = set()
+        for label, module, packed in self.saved:
+            if hasattr(packed, "memory_residence"):
+                residence, key, nbytes = packed.memory_residence()
+            elif isinstance(packed, torch.Tensor) and packed.device.type != "meta":
+                residence, key = "device", _storage_key(packed)
+                nbytes = key[1]
+                if key[0] in self._param_storages:
+                    continue
+            else:
+                continue
+            if key in seen:
+                continue
+            seen.add(key)
+            yield label, module, residence, nbytes
+
+    def bytes_per_layer(self, residence: str = "device") -> dict[str, int]:
+        """Live bytes of the distinct non-parameter storages saved in each layer, in one residence."""
         totals: dict[str, int] = {}
-        for label, t in self.saved:
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-                continue
-            ptr, nbytes = _storage_key(t)
-            if ptr in self._param_storages or (ptr, nbytes) in seen:
-                continue
-            seen.add((ptr, nbytes))
-            totals[label] = totals.get(label, 0) + nbytes
+        for label, _module, where, nbytes in self._residences():
+            if where == residence:
+                totals[label] = totals.get(label, 0) + nbytes
+        return totals
+
+    def bytes_per_module(self) -> dict[str, dict[str, dict[str, int]]]:
+        """{layer: {child module: {residence: bytes}}}; "" for what a layer saves outside its children."""
+        totals: dict = {}
+        for label, module, where, nbytes in self._residences():
+            cell = totals.setdefault(label, {}).setdefault(module, dict.fromkeys(RESIDENCES, 0))
+            cell[where] += nbytes
         return totals
 
     def close(self):

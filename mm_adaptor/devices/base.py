@@ -56,6 +56,30 @@ class DeviceBackend:
                 f"{self.dist_backend.upper()}), but torch sees {available}: use --nproc-per-node {available} or "
                 f"fewer (mm-adaptor check: --layout single runs on one device)")
 
+    # Side streams for copies that overlap compute (swap attention): the device module's own Stream, Event,
+    # current_stream and stream context; the CPU backend's are no-ops, its work being ordered already.
+    def stream_module(self):
+        raise NotImplementedError
+
+    def new_stream(self):
+        return self.stream_module().Stream()
+
+    def new_event(self):
+        return self.stream_module().Event()
+
+    def current_stream(self):
+        return self.stream_module().current_stream()
+
+    def use_stream(self, stream):
+        """Context manager: work issued inside runs on `stream`."""
+        return self.stream_module().stream(stream)
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host buffer device copies can read and write asynchronously (pinned where that exists)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pins_host_memory)
+
+    pins_host_memory = True
+
     def core_patch_sets(self) -> list[PatchSet]:
         """Patches applied at install time (torch and megatron.core): the device's own, then the compat fixes."""
         return [*self.device_patch_sets(), *compat_patch_sets()]

@@ -314,6 +314,11 @@ class _CpuStreamContext(contextlib.nullcontext):
         super().__init__(stream)
 
 
+# What the CPU backend hands out for side streams and events (see DeviceBackend.stream_module).
+CPU_STREAMS = types.SimpleNamespace(Stream=CpuStream, Event=CpuEvent, stream=_CpuStreamContext,
+                                    current_stream=lambda device=None: _DEFAULT_STREAM)
+
+
 def _distinct(obj, target: str):
     """A separate function object per target: torch._dynamo keys its rules by object identity."""
     if isinstance(obj, types.FunctionType):
@@ -406,8 +411,13 @@ class CpuBackend(DeviceBackend):
         self._mode: CudaToCpuMode | None = None
         self._saved_env: dict[str, str | None] = {}
 
+    pins_host_memory = False  # the "host" copy is another CPU buffer: nothing to pin
+
     def torch_device(self) -> torch.device:
         return CPU
+
+    def stream_module(self):
+        return CPU_STREAMS
 
     def device_patch_sets(self):
         return [_torch_cuda_patches(), self._process_group_patches(), _megatron_core_patches()]

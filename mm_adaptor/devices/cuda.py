@@ -20,6 +20,9 @@ class CudaBackend(DeviceBackend):
     def devices_per_node(self) -> int:
         return torch.cuda.device_count()
 
+    def stream_module(self):
+        return torch.cuda
+
     def device_patch_sets(self):
         if not torch.cuda.is_available():
             raise RuntimeError("the cuda backend was requested but torch sees no CUDA device")

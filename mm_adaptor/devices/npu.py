@@ -42,6 +42,9 @@ class NpuBackend(DeviceBackend):
     def devices_per_node(self) -> int:
         return torch.npu.device_count()
 
+    def stream_module(self):
+        return torch.npu
+
     def device_patch_sets(self):
         try:
             import torch_npu  # noqa: F401

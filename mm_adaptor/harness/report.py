@@ -57,6 +57,17 @@ def _model_state_rows(off: dict, on: dict) -> list[tuple[str, int, int]]:
     return rows
 
 
+def _saved_activation_rows(off: dict, on: dict) -> list[tuple[str, int, int]]:
+    """Saved activations per layer on the device; where either run parks some in host memory, those per layer
+    too, in their own rows."""
+    rows = []
+    for key, where in (("saved_bytes_per_layer", ""), ("host_saved_bytes_per_layer", " in host memory")):
+        layers_off, layers_on = off.get(key) or {}, on.get(key) or {}
+        rows += [(f"saved activations{where}, {k}", layers_off.get(k, 0), layers_on.get(k, 0))
+                 for k in sorted(set(layers_off) | set(layers_on), key=_layer_order)]
+    return rows
+
+
 def format_comparison(c) -> str:
     lines = [f"check {' '.join(c.feature_args)} | layout {c.layout} | {c.precision} | tolerance: {c.tolerance.describe()}",
              f"  limits: {c.limits.describe()}",
@@ -67,14 +78,11 @@ def format_comparison(c) -> str:
         lines.append(f"  {step:>4}  {a:16.9e}  {b:16.9e}  {loss_statistic(a, b):10.2e}{mark}")
     for group in c.verdicts.values():
         lines += _group_lines(group, c.limits.exact)
-    lines.append(f"  {'memory (rank 0)':<34} {'off':>13}  {'on':>13}  change")
-    layers_off = c.memory_off.get("saved_bytes_per_layer") or {}
-    layers_on = c.memory_on.get("saved_bytes_per_layer") or {}
-    rows = [(f"saved activations, {k}", layers_off.get(k, 0), layers_on.get(k, 0))
-            for k in sorted(set(layers_off) | set(layers_on), key=_layer_order)]
+    lines.append(f"  {'memory (rank 0)':<42} {'off':>13}  {'on':>13}  change")
+    rows = _saved_activation_rows(c.memory_off, c.memory_on)
     rows += _model_state_rows(c.memory_off, c.memory_on)
     for label, a, b in rows:
         change = f"{(b - a) / a * 100:+.1f}%" if a else "n/a"
-        lines.append(f"  {label:<34} {_mib(a)}  {_mib(b)}  {change}")
+        lines.append(f"  {label:<42} {_mib(a)}  {_mib(b)}  {change}")
     lines.append(f"  verdict: {'PASS' if c.passed else 'FAIL'}")
     return "\n".join(lines)

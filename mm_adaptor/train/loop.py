@@ -52,7 +52,9 @@ def measured_forward_step(state: RunState):
             return forward_step(data_iterator, model)
         with accountant.hooks():
             result = forward_step(data_iterator, model)
-        state.memory["saved_bytes_per_layer"] = accountant.bytes_per_layer()
+        state.memory["saved_bytes_per_layer"] = accountant.bytes_per_layer("device")
+        state.memory["host_saved_bytes_per_layer"] = accountant.bytes_per_layer("host")
+        state.memory["saved_bytes_per_module"] = accountant.bytes_per_module()
         accountant.close()
         return result
 

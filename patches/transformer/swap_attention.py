@@ -1,0 +1,354 @@
+"""Swap attention: what the chosen submodules of a transformer layer save for backward is copied to host memory
+during forward and copied back, ahead of need, during backward.
+
+Forward, per layer: while a chosen submodule runs, every tensor it saves (on the compute device, at least
+`min_bytes`, not a parameter, buffer or other leaf) is packed as a handle on its storage. When the layer has run,
+each storage is copied to a pooled host buffer on the offload stream. When the next layer starts (or the block
+ends) the device storage is let go: it is freed if autograd was its only holder, and the allocator reuses it only
+after the copy has read it (record_stream). A storage something else still holds (the block's input, a shared
+table, a tensor a later module saved too) stays on the device and is used from there: nothing is ever freed or
+overwritten under another holder.
+
+Backward: when layer L's output gradient arrives (its backward starts), layers L .. L - distance of the same block
+pass (micro-batch, virtual stage) are copied back on the prefetch stream into fresh device storage; unpacking
+waits for that copy only, and fetches on demand if no prefetch came. Handles rebuild each tensor as a view of the
+restored storage, so views that shared a storage share it again."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+import weakref
+
+import torch
+
+from mm_adaptor import memory
+
+SWAP_ATTR = "_mm_swap_attention"
+DEFAULT_MODULES = ("input_layernorm", "self_attention", "pre_mlp_layernorm")
+# TransformerLayer children that can be swapped; MindSpeed's names for the norms are accepted as aliases.
+KNOWN_MODULES = ("input_layernorm", "self_attention", "pre_cross_attn_layernorm", "cross_attention",
+                 "pre_mlp_layernorm", "mlp")
+ALIASES = {"input_norm": "input_layernorm", "post_attention_norm": "pre_mlp_layernorm"}
+
+
+def module_names(text: str | None) -> tuple[str, ...]:
+    """--swap-modules' comma-separated names (aliases resolved, order kept, no repeats); KeyError on unknown."""
+    if text is None:
+        return DEFAULT_MODULES
+    names = []
+    for raw in (part.strip() for part in text.split(",")):
+        if not raw:
+            continue
+        name = ALIASES.get(raw, raw)
+        if name not in KNOWN_MODULES:
+            raise KeyError(raw)
+        if name not in names:
+            names.append(name)
+    return tuple(names)
+
+
+class HostPool:
+    """Host buffers by exact size, reused across steps. A buffer comes back with the event of the last copy that
+    reads it; whoever takes it next makes its stream wait for that event before writing."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.free: dict[int, list] = collections.defaultdict(list)
+        self.allocated_bytes = 0
+
+    def take(self, nbytes: int):
+        if self.free[nbytes]:
+            return self.free[nbytes].pop()
+        self.allocated_bytes += nbytes
+        return self.backend.host_buffer(nbytes), None
+
+    def give(self, buffer, last_reader_event) -> None:
+        self.free[buffer.numel()].append((buffer, last_reader_event))
+
+
+def _whole_storage(storage, device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+class StoredStorage:
+    """One device storage saved by the swapped modules of one layer pass: on the device, in host memory, kept
+    (something else holds it), or restored."""
+
+    def __init__(self, manager: "SwapManager", storage, layer: "LayerPass"):
+        self.manager, self.layer = manager, layer
+        self.nbytes = storage.nbytes()
+        self.device = manager.device
+        self.state = "device"
+        self.keeper = _whole_storage(storage, self.device)
+        self.host = self.offload_event = self.restored = self.prefetch_event = None
+        self.waited = False
+
+    # forward
+    def offload(self) -> None:
+        if self.keeper.untyped_storage().nbytes() != self.nbytes:  # released meanwhile by its owner (megatron's
+            self.state = "kept"                                     # discard-output recompute): leave it to it
+            return
+        m = self.manager
+        self.host, ready = m.pool.take(self.nbytes)
+        m.offload_stream.wait_stream(m.backend.current_stream())
+        if ready is not None:
+            m.offload_stream.wait_event(ready)
+        with m.backend.use_stream(m.offload_stream):
+            self.host.copy_(self.keeper, non_blocking=True)
+            self.offload_event = m.backend.new_event()
+            self.offload_event.record(m.offload_stream)
+        if self.keeper.device.type != "cpu":
+            self.keeper.record_stream(m.offload_stream)
+        self.state = "copying"
+
+    def release(self) -> None:
+        """Let go of the device storage; keep it after all if anything else still holds it."""
+        if self.state != "copying":
+            return
+        alive = weakref.ref(self.keeper.untyped_storage())
+        self.keeper = None
+        storage = alive()
+        if storage is None:
+            self.state = "host"
+            self.manager.stats["offloaded_bytes"] += self.nbytes
+            return
+        self.keeper = _whole_storage(storage, self.device)
+        self.manager.pool.give(self.host, self.offload_event)
+        self.host = None
+        self.state = "kept"
+        self.manager.stats["kept_shared_bytes"] += self.nbytes
+
+    # backward
+    def prefetch(self, on_demand: bool = False) -> None:
+        if self.state != "host":
+            return
+        m = self.manager
+        source = m.host_source(self)
+        self.restored = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        m.prefetch_stream.wait_stream(m.backend.current_stream())  # the allocation's earlier users are done
+        m.prefetch_stream.wait_event(self.offload_event)
+        with m.backend.use_stream(m.prefetch_stream):
+            self.restored.copy_(source, non_blocking=True)
+            self.prefetch_event = m.backend.new_event()
+            self.prefetch_event.record(m.prefetch_stream)
+        m.pool.give(self.host, self.prefetch_event)
+        self.host = None
+        self.state = "restored"
+        m.stats["fetched_on_demand" if on_demand else "prefetched"] += 1
+
+    def storage_for_unpack(self):
+        if self.state == "host":
+            self.prefetch(on_demand=True)
+        if self.state == "restored":
+            if not self.waited:
+                self.manager.backend.current_stream().wait_event(self.prefetch_event)
+                self.waited = True
+            return self.restored.untyped_storage()
+        return self.keeper.untyped_storage()
+
+    def memory_residence(self) -> tuple[str, object, int]:
+        """(residence, key that identifies the bytes, bytes) for the memory accountant."""
+        if self.state in ("host", "copying"):
+            return "host", ("swap", id(self)), self.nbytes
+        held = self.restored if self.state == "restored" else self.keeper
+        storage = held.untyped_storage()
+        return "device", (storage.data_ptr(), storage.nbytes()), storage.nbytes()
+
+    def __del__(self):
+        try:
+            if self.host is not None:  # never fetched back (forward without backward): the buffer goes home
+                self.manager.pool.give(self.host, self.offload_event)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class SwappedTensor:
+    """What autograd keeps in place of a saved tensor: its storage's record and how to view it again."""
+
+    __slots__ = ("stored", "dtype", "offset", "size", "stride", "__weakref__")
+
+    def __init__(self, stored: StoredStorage, t: torch.Tensor):
+        self.stored, self.dtype = stored, t.dtype
+        self.offset, self.size, self.stride = t.storage_offset(), t.size(), t.stride()
+
+    def unpack(self) -> torch.Tensor:
+        storage = self.stored.storage_for_unpack()
+        return torch.empty(0, dtype=self.dtype, device=self.stored.device).set_(storage, self.offset, self.size,
+                                                                                 self.stride)
+
+    def memory_residence(self):
+        return self.stored.memory_residence()
+
+
+class LayerPass:
+    """One forward of one swapped layer: its stored storages, strongly held until released, weakly afterwards
+    (they then live exactly as long as autograd's handles)."""
+
+    def __init__(self, block: "BlockPass", layer_number: int, excluded: set[int]):
+        self.block, self.layer_number = block, layer_number
+        self.excluded = excluded  # storage ids that are never swapped (parameters, buffers, the layer's inputs)
+        self.stored: dict[int, StoredStorage] = {}  # by storage id, in the order they were saved
+        self.after_release: list[weakref.ref] = []
+        self.released = False
+
+    def offload(self, outputs: set[int]) -> None:
+        for storage_id in outputs & self.stored.keys():  # the layer's own output: the next layer needs it
+            self.stored[storage_id].state = "kept"
+        for stored in self.stored.values():
+            if stored.state == "device":
+                stored.offload()
+
+    def release(self) -> None:
+        if self.released:
+            return
+        for stored in self.stored.values():
+            stored.release()
+        self.after_release = [weakref.ref(s) for s in self.stored.values()]
+        self.stored = {}
+        self.released = True
+
+    def live(self) -> list[StoredStorage]:
+        return [s for s in (ref() for ref in self.after_release) if s is not None]
+
+
+class BlockPass:
+    """One forward of one TransformerBlock (one micro-batch of one virtual stage)."""
+
+    def __init__(self, ordinal: int):
+        self.ordinal = ordinal
+        self.layers: list[LayerPass] = []
+
+    def release_last(self) -> None:
+        if self.layers:
+            self.layers[-1].release()
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _tensors_in(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+
+
+class SwapManager:
+    """Streams, host pool, the block pass being run, statistics; the wrappers below call into it."""
+
+    def __init__(self, modules=DEFAULT_MODULES, prefetch_distance: int = 1, min_bytes: int = 0):
+        self.modules = tuple(modules)
+        self.prefetch_distance = prefetch_distance
+        self.min_bytes = min_bytes
+        self.backend = None
+        self.block: BlockPass | None = None
+        self.blocks = itertools.count()
+        self.stats = collections.Counter()
+
+    def _start(self) -> None:
+        if self.backend is not None:
+            return
+        from mm_adaptor import devices
+
+        self.backend = devices.current() or devices.install()
+        self.device = self.backend.torch_device()
+        self.offload_stream = self.backend.new_stream()
+        self.prefetch_stream = self.backend.new_stream()
+        self.pool = HostPool(self.backend)
+
+    def host_source(self, stored: StoredStorage) -> torch.Tensor:
+        """The host copy to bring back into `stored` (its own; the harness's self-test overrides this)."""
+        return stored.host
+
+    def statistics(self) -> dict:
+        stats = dict(self.stats)
+        stats["host_pool_bytes"] = self.pool.allocated_bytes if self.backend is not None else 0
+        return stats
+
+    # TransformerBlock.forward
+    def block_forward(self, wrapped, instance, args, kwargs):
+        if not torch.is_grad_enabled():
+            return wrapped(*args, **kwargs)
+        self._start()
+        outer, self.block = self.block, BlockPass(next(self.blocks))
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            self.block.release_last()
+            self.block = outer
+
+    # TransformerLayer.forward
+    def layer_forward(self, wrapped, instance, args, kwargs):
+        block = self.block
+        if block is None or not getattr(instance, SWAP_ATTR, False) or not torch.is_grad_enabled():
+            return wrapped(*args, **kwargs)
+        block.release_last()
+        hidden_states = kwargs.get("hidden_states", args[0] if args else None)
+        excluded = {_storage_id(t) for t in itertools.chain(instance.parameters(), instance.buffers())}
+        excluded |= {_storage_id(t) for t in _tensors_in((args, kwargs)) if t is not hidden_states}
+        layer = LayerPass(block, instance.layer_number, excluded)
+        hooks = []
+        for name in self.modules:
+            child = getattr(instance, name, None)
+            if isinstance(child, torch.nn.Module):
+                context = torch.autograd.graph.saved_tensors_hooks(functools.partial(self.pack, layer),
+                                                                   unpack_saved)
+                hooks.append(child.register_forward_pre_hook(lambda *_a, c=context: c.__enter__()))
+                hooks.append(child.register_forward_hook(lambda *_a, c=context: c.__exit__(None, None, None),
+                                                         always_call=True))
+        try:
+            output = wrapped(*args, **kwargs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        layer.offload({_storage_id(t) for t in _tensors_in(output)})
+        block.layers.append(layer)
+        first = output[0] if isinstance(output, tuple) else output
+        if isinstance(first, torch.Tensor) and first.requires_grad:
+            first.register_hook(functools.partial(self._backward_starts, block, len(block.layers) - 1))
+        return output
+
+    def pack(self, layer: LayerPass, t):
+        packed = self._pack(layer, t)
+        memory.notify_saved(packed)
+        return packed
+
+    def _pack(self, layer: LayerPass, t):
+        if (type(t) is not torch.Tensor or t.layout != torch.strided or t.device != self.device
+                or (t.is_leaf and t.requires_grad)):
+            return t
+        storage = t.untyped_storage()
+        storage_id = storage._cdata
+        if storage_id in layer.excluded or storage.nbytes() < max(self.min_bytes, 1):
+            return t
+        stored = layer.stored.get(storage_id)
+        if stored is None:
+            stored = layer.stored[storage_id] = StoredStorage(self, storage, layer)
+        return SwappedTensor(stored, t)
+
+    def _backward_starts(self, block: BlockPass, index: int, _grad):
+        for earlier in range(index, max(-1, index - self.prefetch_distance - 1), -1):
+            for stored in block.layers[earlier].live():
+                stored.prefetch()
+
+
+def unpack_saved(packed):
+    return packed.unpack() if isinstance(packed, SwappedTensor) else packed
+
+
+def block_init_marking_layers(wrapped, instance, args, kwargs):
+    """TransformerBlock.__init__ wrapper: every layer swaps, less those megatron recomputes whole (block method)."""
+    from mm_adaptor.patches.transformer.recompute_activation import layers_to_mark
+
+    result = wrapped(*args, **kwargs)
+    layers = list(getattr(instance, "layers", []))
+    for index in layers_to_mark(len(layers), instance.config, None):
+        setattr(layers[index], SWAP_ATTR, True)
+    return result
