@@ -1,0 +1,210 @@
+"""--swap-attention: one-line refusals, --swap-modules parsing, the CPU backend's stream API, and the mechanism on a
+3-layer GPT in one rank: gradients bit-for-bit, device bytes of the swapped modules gone (but for the block's input,
+which the model still holds), host bytes equal to what left, prefetch order, on-demand fetch, pool reuse."""
+
+import argparse
+
+import pytest
+import torch
+
+import mm_adaptor
+from mm_adaptor.features import FeatureConfigError, get
+
+
+def options(**kw):
+    base = dict(swap_attention=True, swap_modules=None, swap_prefetch_distance=None, swap_min_bytes=None,
+                transformer_impl="local")
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("kw,names", [
+    (dict(swap_attention=False, swap_prefetch_distance=2), ["--swap-prefetch-distance needs --swap-attention"]),
+    (dict(swap_attention=False, swap_modules="mlp", swap_min_bytes=0),
+     ["--swap-modules and --swap-min-bytes need --swap-attention"]),
+    (dict(swap_modules="self_attention,attn"), ["--swap-modules", "'attn'", "input_layernorm"]),
+    (dict(swap_modules=" , "), ["--swap-modules names no module"]),
+    (dict(swap_prefetch_distance=-1), ["--swap-prefetch-distance -1"]),
+    (dict(swap_min_bytes=-5), ["--swap-min-bytes -5"]),
+    (dict(recompute_granularity="full", recompute_method="uniform"),
+     ["--recompute-granularity full", "--recompute-method uniform"]),
+    (dict(cpu_offloading=True), ["--cpu-offloading"]),
+    (dict(fine_grained_activation_offloading=True), ["--fine-grained-activation-offloading"]),
+    (dict(transformer_impl="transformer_engine"), ["--transformer-impl local"]),
+])
+def test_refusals_are_one_line_naming_the_flags(kw, names):
+    feature = get("swap-attention")
+    opts = options(**kw)
+    assert feature.is_enabled(opts), "a tuning flag alone counts as asking, so that it can be refused"
+    with pytest.raises(FeatureConfigError) as error:
+        feature.validate(opts)
+    message = str(error.value)
+    assert "\n" not in message
+    for name in names:
+        assert name in message, message
+
+
+def test_module_names():
+    from mm_adaptor.patches.transformer.swap_attention import DEFAULT_MODULES, module_names
+
+    assert module_names(None) == DEFAULT_MODULES == ("input_layernorm", "self_attention", "pre_mlp_layernorm")
+    assert module_names("input_norm, self_attention,post_attention_norm,self_attention") == DEFAULT_MODULES
+    assert module_names("mlp") == ("mlp",)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(swap_modules="input_norm,post_attention_norm"),
+                                dict(swap_prefetch_distance=0, swap_min_bytes=0),
+                                dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+                                dict(recompute_granularity="selective", recompute_modules=["core_attn"])])
+def test_accepted(kw):
+    get("swap-attention").validate(options(**kw))
+
+
+def test_cpu_backend_streams_are_ordered_no_ops():
+    from mm_adaptor.devices.cpu import CpuBackend
+
+    backend = CpuBackend()
+    stream, event = backend.new_stream(), backend.new_event()
+    stream.wait_stream(backend.current_stream())
+    with backend.use_stream(stream):
+        buffer = backend.host_buffer(16)
+        buffer.copy_(torch.arange(16, dtype=torch.uint8))
+        event.record(stream)
+    backend.current_stream().wait_event(event)
+    assert buffer.dtype == torch.uint8 and not buffer.is_pinned() and buffer.sum() == 120
+
+
+# the mechanism, in one rank on the CPU backend
+
+
+def build(extra):
+    from megatron.core import tensor_parallel
+
+    from mm_adaptor.train.arguments import build_parser, finalize_args
+    from mm_adaptor.train.model import build_model, transformer_config
+
+    args = build_parser().parse_args(["--num-layers", "3", "--nproc-per-node", "1", "--normalization", "RMSNorm",
+                                      "--swiglu", "--position-embedding-type", "rope", *extra])
+    finalize_args(args, 1)
+    mm_adaptor.enable(args)
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
+    return build_model(args, transformer_config(args), torch.device("cpu"))[0]
+
+
+TOKENS = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(0))
+POSITIONS = torch.arange(64).expand(2, 64)
+
+
+def step(model, accountant=None):
+    """One forward and backward; (bytes per module at the end of forward, gradients)."""
+    import contextlib
+
+    with accountant.hooks() if accountant else contextlib.nullcontext():
+        loss = model(TOKENS, POSITIONS, None, labels=TOKENS).float().sum()
+    per_module = accountant.bytes_per_module() if accountant else None
+    if accountant:
+        accountant.close()
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    return per_module, grads
+
+
+def run(extra, steps=1):
+    from mm_adaptor.memory import SavedTensorAccountant
+
+    model = build(extra)
+    try:
+        per_module, grads = step(model, SavedTensorAccountant([model]))
+        for _ in range(steps - 1):
+            step(model)
+        return per_module, grads, get("swap-attention").statistics() if extra else None
+    finally:
+        mm_adaptor.disable()
+
+
+@pytest.fixture(scope="module")
+def unswapped():
+    from conftest import one_gloo_rank
+
+    with one_gloo_rank():
+        return run([])
+
+
+@pytest.fixture
+def rank(unswapped):
+    from conftest import one_gloo_rank
+
+    with one_gloo_rank():
+        yield
+
+
+SWAPPED = ("input_layernorm", "self_attention", "pre_mlp_layernorm")
+BLOCK_INPUT_BYTES = 64 * 2 * 64 * 4  # [seq, batch, hidden] fp32: the embedding's output, held by the model
+
+
+def test_bit_for_bit_and_every_byte_accounted(unswapped, rank):
+    off, grads_off, _ = unswapped
+    on, grads_on, stats = run(["--swap-attention", "--swap-min-bytes", "0"])
+    assert grads_on.keys() == grads_off.keys()
+    assert all(torch.equal(grads_on[k], grads_off[k]) for k in grads_off)
+    for layer in ("layer 1", "layer 2", "layer 3"):
+        kept = BLOCK_INPUT_BYTES if layer == "layer 1" else 0
+        assert sum(on[layer][m]["device"] for m in SWAPPED) == kept, (layer, on[layer])
+        assert sum(on[layer][m]["host"] for m in SWAPPED) == sum(off[layer][m]["device"] for m in SWAPPED) - kept
+        assert on[layer]["mlp"] == off[layer]["mlp"], "the MLP is not swapped"
+    assert stats["kept_shared_bytes"] == BLOCK_INPUT_BYTES
+    assert stats["offloaded_bytes"] == sum(on[layer][m]["host"] for layer in on if layer.startswith("layer")
+                                           for m in SWAPPED)
+    assert stats.get("fetched_on_demand", 0) == 0 and stats["prefetched"] > 0
+
+
+def test_min_bytes_keeps_small_storages_on_the_device(unswapped, rank):
+    from mm_adaptor.feature_flags.swap_attention import DEFAULT_MIN_BYTES
+
+    off, grads_off, _ = unswapped
+    on, grads_on, stats = run(["--swap-attention"])
+    assert all(torch.equal(grads_on[k], grads_off[k]) for k in grads_off)
+    # the tiny model saves [seq, batch, hidden] fp32 (32 KiB) tensors below the default: only larger ones move
+    assert 0 < stats["offloaded_bytes"]
+    assert sum(on["layer 2"][m]["device"] for m in SWAPPED) >= BLOCK_INPUT_BYTES
+    assert DEFAULT_MIN_BYTES > BLOCK_INPUT_BYTES
+
+
+def test_prefetch_runs_distance_layers_ahead_and_pool_is_reused(unswapped, rank, monkeypatch):
+    from mm_adaptor.patches.transformer import swap_attention as sa
+
+    events = []
+    prefetch, unpack = sa.StoredStorage.prefetch, sa.SwappedTensor.unpack
+
+    def logged_prefetch(self, on_demand=False):
+        if self.state == "host":
+            events.append(("prefetch", self.layer.layer_number))
+        return prefetch(self, on_demand)
+
+    def logged_unpack(self):
+        events.append(("unpack", self.stored.layer.layer_number))
+        return unpack(self)
+
+    monkeypatch.setattr(sa.StoredStorage, "prefetch", logged_prefetch)
+    monkeypatch.setattr(sa.SwappedTensor, "unpack", logged_unpack)
+    _, grads, stats = run(["--swap-attention", "--swap-min-bytes", "0", "--swap-prefetch-distance", "1"], steps=2)
+    first_step = events[:events.index(("unpack", 1)) + 1]
+    order = [e for i, e in enumerate(first_step) if e[0] == "prefetch" and e not in first_step[:i]]
+    assert order == [("prefetch", 3), ("prefetch", 2), ("prefetch", 1)]
+    # layer L comes back before any of L's own tensors is unpacked, and L - 1 when L's backward starts
+    for layer in (3, 2, 1):
+        assert first_step.index(("prefetch", layer)) < first_step.index(("unpack", layer))
+    assert first_step.index(("prefetch", 1)) < first_step.index(("unpack", 2))
+    assert stats["host_pool_bytes"] == stats["offloaded_bytes"] // 2, "the second step reused the first's buffers"
+
+
+def test_unpack_fetches_on_demand_when_no_prefetch_came(unswapped, rank, monkeypatch):
+    from mm_adaptor.patches.transformer import swap_attention as sa
+
+    monkeypatch.setattr(sa.SwapManager, "_backward_starts", lambda *args: None)
+    _, grads_off = unswapped[:2]
+    _, grads_on, stats = run(["--swap-attention", "--swap-min-bytes", "0"])
+    assert all(torch.equal(grads_on[k], grads_off[k]) for k in grads_off)
+    assert stats.get("prefetched", 0) == 0 and stats["fetched_on_demand"] > 0
