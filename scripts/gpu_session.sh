@@ -4,11 +4,13 @@
 #   bash scripts/gpu_session.sh ops [OUTPUT_DIR]  build the CUDA ops, op tests on CUDA, one-GPU train and check,
 #                                                 the ops' bandwidth table
 #   bash scripts/gpu_session.sh e2e [OUTPUT_DIR]  Megatron-LM's pretrain_gpt.py unpatched vs each fused flag
+#   bash scripts/gpu_session.sh activation [OUTPUT_DIR]  one-GPU check of recompute and swap attention, and the
+#                                                 Llama-2-7B-layer activation memory benchmark (issue 13)
 # Wheels the machine lacks and a trimmed Megatron-LM come from .whl/ and .mlm/, which
 # scripts/gpu_session_prepare.sh fills on the host (carry both).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: gpu_session.sh ops|e2e [OUTPUT_DIR]}
+part=${1:?usage: gpu_session.sh ops|e2e|activation [OUTPUT_DIR]}
 out=${2:-${OUT:-gpu-results}}
 mkdir -p "$out"
 site=/tmp/mm-adaptor-site
@@ -36,6 +38,15 @@ run() {  # run NAME COMMAND...: output to $out/NAME.log, failures counted
 if [ "$part" = e2e ]; then
     [ -f .mlm/pretrain_gpt.py ] || { echo "no .mlm/: run scripts/gpu_session_prepare.sh on the host first"; exit 1; }
     run e2e python3 benchmarks/megatron_lm_e2e.py --megatron-lm .mlm --log-dir "$out/e2e-logs"
+    exit $status
+fi
+if [ "$part" = activation ]; then
+    model=(--normalization RMSNorm --swiglu --position-embedding-type rope)
+    run check_swap python3 -m mm_adaptor.cli check --layout single --swap-attention --swap-min-bytes 0 "${model[@]}"
+    run check_swap_bf16 python3 -m mm_adaptor.cli check --layout single --swap-attention --swap-min-bytes 0 \
+        --recompute-activation-function --use-fused-swiglu --use-flash-attn --bf16 "${model[@]}"
+    run activation_bench python3 benchmarks/activation_memory.py --device cuda
+    run activation_bench_unfused python3 benchmarks/activation_memory.py --device cuda --unfused --seq 2048
     exit $status
 fi
 run report python3 -m mm_adaptor.cli report

@@ -151,3 +151,16 @@ def test_e2e_runs_pretrain_gpt_on_the_cpu(tmp_path):
     ms, speedup, memory, loss_diff = table["--use-fused-rmsnorm"]
     assert float(ms) > 0 and float(speedup.rstrip("x")) > 0 and float(loss_diff) < 1e-5, done.stdout
     assert (tmp_path / "fused-rmsnorm.log").read_text().count("[mm-e2e] iteration") == 4
+
+
+def test_activation_memory_benchmark_moves_and_drops_bytes():
+    stdout = run_script("activation_memory.py", "--device", "cpu", "--hidden", "128", "--ffn", "344", "--heads", "2",
+                        "--seq", "256", "--steps", "1", "--warmup", "1")
+    header, rows = table_rows(stdout)
+    assert "step ms" in header and "saved in host MiB" in header, stdout
+    by_name = {row[0]: row for row in rows}
+    assert list(by_name) == ["unpatched", "recompute activation", "swap attention", "both"], stdout
+    device, host = (lambda name: float(by_name[name][3])), (lambda name: float(by_name[name][4]))
+    assert device("recompute activation") < device("unpatched") and host("recompute activation") == 0, stdout
+    assert host("swap attention") > 0 and device("swap attention") < device("unpatched"), stdout
+    assert device("both") < device("swap attention"), stdout
