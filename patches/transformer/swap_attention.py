@@ -300,9 +300,8 @@ class SwapManager:
             if isinstance(child, torch.nn.Module):
                 context = torch.autograd.graph.saved_tensors_hooks(functools.partial(self.pack, layer),
                                                                    unpack_saved)
-                hooks.append(child.register_forward_pre_hook(lambda *_a, c=context: c.__enter__()))
-                hooks.append(child.register_forward_hook(lambda *_a, c=context: c.__exit__(None, None, None),
-                                                         always_call=True))
+                hooks.append(child.register_forward_pre_hook(functools.partial(_enter, context)))
+                hooks.append(child.register_forward_hook(functools.partial(_exit, context), always_call=True))
         try:
             output = wrapped(*args, **kwargs)
         finally:
@@ -337,6 +336,14 @@ class SwapManager:
         for earlier in range(index, max(-1, index - self.prefetch_distance - 1), -1):
             for stored in block.layers[earlier].live():
                 stored.prefetch()
+
+
+def _enter(context, *_hook_args) -> None:  # None: the module's inputs stay as they are
+    context.__enter__()
+
+
+def _exit(context, *_hook_args) -> None:  # None: its output too
+    context.__exit__(None, None, None)
 
 
 def unpack_saved(packed):

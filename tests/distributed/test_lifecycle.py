@@ -259,10 +259,14 @@ def test_an_interrupted_check_stops_its_ranks_with_one_line(tmp_path):
 
 
 _LIBRARY_CALLER = """
+import signal
 import sys
 import time
 
 from mm_adaptor.launcher import launch
+
+# as in a terminal: a suite started in the background (nohup ... &) hands its children SIGINT ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def sleep():
