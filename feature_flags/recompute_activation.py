@@ -2,7 +2,7 @@
 inputs, not its output; the output's storage is released once fc2 has saved it and refilled by recomputation
 just before fc2's backward."""
 
-from mm_adaptor.features import Feature, FeatureConfigError, Flag, Tolerance, register, require_local_spec
+from mm_adaptor.features import Feature, Flag, Tolerance, refuse_unless_local_spec, register
 
 MAIN = "--recompute-activation-function"
 NUM_LAYERS = "--recompute-activation-function-num-layers"
@@ -27,10 +27,7 @@ class RecomputeActivation(Feature):
             getattr(options, "recompute_activation_function_num_layers", None) is not None
 
     def validate(self, options):
-        refusal = refusal_for(options)
-        if refusal:
-            raise FeatureConfigError(refusal)
-        require_local_spec(self, options)
+        refuse_unless_local_spec(self, options, refusal_for(options))
 
     def patch_sets(self, options):
         from mm_adaptor.patches.transformer import recompute_activation as rc

@@ -1,7 +1,7 @@
 """--swap-attention [--swap-modules ...] [--swap-prefetch-distance D] [--swap-min-bytes N]: what the attention
 block saves for backward waits in host memory between a layer's forward and its backward."""
 
-from mm_adaptor.features import Feature, FeatureConfigError, Flag, Tolerance, register, require_local_spec
+from mm_adaptor.features import Feature, Flag, Tolerance, refuse_unless_local_spec, register
 
 MAIN = "--swap-attention"
 MODULES = "--swap-modules"
@@ -36,10 +36,7 @@ class SwapAttention(Feature):
                                                                   "swap_min_bytes"))
 
     def validate(self, options):
-        refusal = refusal_for(options)
-        if refusal:
-            raise FeatureConfigError(refusal)
-        require_local_spec(self, options)
+        refuse_unless_local_spec(self, options, refusal_for(options))
 
     def patch_sets(self, options):
         from mm_adaptor.patches.transformer import swap_attention as sa

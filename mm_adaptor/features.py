@@ -138,6 +138,13 @@ class Feature:
         return {flag.dest: getattr(options, flag.dest, flag.default_value()) for flag in self.flags}
 
 
+def refuse_unless_local_spec(feature: Feature, options, refusal: str | None) -> None:
+    """validate() of a local-spec feature whose own checks come as one refusal line (or None)."""
+    if refusal:
+        raise FeatureConfigError(refusal)
+    require_local_spec(feature, options)
+
+
 def require_local_spec(feature: Feature, options) -> None:
     impl = getattr(options, "transformer_impl", "local")
     if impl != "local":
