@@ -174,17 +174,30 @@ def _compute_device(model_chunks, device) -> torch.device:
     return params[0].device if params else torch.device("cpu")
 
 
+# A megatron optimizer that keeps its main parameters in other tensors than the inner optimizer's params (whose
+# storage it releases between steps) has an object under this attribute whose resident_tensors() lists them.
+MAIN_PARAM_HOLDER = "mm_adaptor_main_param_holder"
+
+
+def _resident(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() > 0
+
+
 def _optimizer_state_tensors(optimizer):
-    """(main params, moments) of a megatron optimizer (chained or not) or of a plain torch optimizer. Scalars in
-    the state (Adam's step counts) are not moments and are left out."""
+    """(main params, moments) of a megatron optimizer (chained or not) or of a plain torch optimizer, as they are
+    held now (see MAIN_PARAM_HOLDER). Scalars in the state (Adam's step counts) are not moments and are left out."""
     if optimizer is None:
         return [], []
     mains, moments = [], []
     for outer in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(outer, "optimizer", outer)
+        holder = getattr(outer, MAIN_PARAM_HOLDER, None)
+        if holder is not None:
+            mains += holder.resident_tensors()
         for group in inner.param_groups:
             for p in group["params"]:
-                mains.append(p)
+                if holder is None or _resident(p):
+                    mains.append(p)
                 moments += [v for v in inner.state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     return mains, moments
 

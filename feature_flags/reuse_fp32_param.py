@@ -1,0 +1,81 @@
+"""--reuse-fp32-param: in a bf16 run, each fp32 main parameter is kept as the model's own bf16 value plus a 2-byte
+residual, not as a separate 4-byte copy; restored exactly, a batch at a time, for the optimizer step."""
+
+from mm_adaptor.features import Feature, Flag, FeatureConfigError, Tolerance, register
+
+MAIN = "--reuse-fp32-param"
+BUDGET = "--reuse-fp32-param-step-mb"
+DEFAULT_BUDGET_MB = 256
+
+
+@register
+class ReuseFp32Param(Feature):
+    name = "reuse-fp32-param"
+    description = ("bf16 runs: the fp32 main parameters are kept as the model's bf16 parameters (their high halves) "
+                   "plus 2-byte residuals, saving 2 bytes per main-parameter element; the optimizer step restores "
+                   "them exactly, a bounded batch at a time")
+    flags = (
+        Flag(MAIN, description),
+        Flag(BUDGET, f"fp32 main parameters restored at once during the step, in MiB (default {DEFAULT_BUDGET_MB}; "
+                     "a larger parameter is restored alone)", type=int, default=None),
+    )
+    tolerance = Tolerance(exact=True, why="the split keeps every bit of each fp32 word, and the same optimizer "
+                                          "updates the same values")
+
+    def is_enabled(self, options) -> bool:
+        return bool(getattr(options, "reuse_fp32_param", False)) or getattr(options, "reuse_fp32_param_step_mb",
+                                                                            None) is not None
+
+    def validate(self, options):
+        refusal = refusal_for(options)
+        if refusal:
+            raise FeatureConfigError(refusal)
+
+    def patch_sets(self, options):
+        from mm_adaptor.patches.optimizer import reuse_fp32_param as reuse
+
+        budget = getattr(options, "reuse_fp32_param_step_mb", None)
+        self.patches = reuse.Patches(budget_bytes=(budget or DEFAULT_BUDGET_MB) * 2**20)
+        return [patch_set(self.name, self.patches)]
+
+    def statistics(self):
+        patches = getattr(self, "patches", None)
+        return patches.statistics() if patches is not None else None
+
+
+def patch_set(name: str, patches):
+    from mm_adaptor.patches.optimizer import reuse_fp32_param as reuse
+    from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+
+    contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
+    ps = PatchSet(name)
+    for target in reuse.INITS:
+        ps.wrap(target, patches.init, contract=contract)
+    ps.wrap(reuse.STEP, patches.step_with_ready_grads, contract=contract)
+    for target in reuse.ZERO_GRADS:
+        ps.wrap(target, patches.zero_grad, contract=contract)
+    for target in reuse.READERS_AND_WRITERS:
+        ps.wrap(target, patches.whole_meanwhile, contract=contract)
+    return ps
+
+
+def refusal_for(options) -> str | None:
+    """One line naming the flags that cannot work together, or None."""
+    on = bool(getattr(options, "reuse_fp32_param", False))
+    budget = getattr(options, "reuse_fp32_param_step_mb", None)
+    if budget is not None and not on:
+        return f"{BUDGET} needs {MAIN}: add {MAIN} or drop {BUDGET}"
+    if budget is not None and budget < 1:
+        return f"{BUDGET} {budget} is below 1: give the MiB of fp32 main parameters the step restores at once"
+    if getattr(options, "fp16", False):
+        return f"{MAIN} keeps fp32 main parameters as bf16 high halves: it needs --bf16, not --fp16"
+    if not getattr(options, "bf16", False):
+        return f"{MAIN} needs --bf16 (without it there is no separate fp32 main copy to fold away)"
+    for megatron_flag, dest in (("--use-precision-aware-optimizer", "use_precision_aware_optimizer"),
+                                ("--optimizer-cpu-offload", "optimizer_cpu_offload"),
+                                ("--use-torch-fsdp2", "use_torch_fsdp2"),
+                                ("--use-megatron-fsdp", "use_megatron_fsdp"),
+                                ("--fp8-format", "fp8")):
+        if getattr(options, dest, None):
+            return (f"{MAIN} and megatron's {megatron_flag} both decide where the main parameters live: keep one")
+    return None

@@ -1,0 +1,240 @@
+"""--reuse-fp32-param: a bf16 run keeps each fp32 main parameter as the model's own bf16 value (its high half) plus
+a 2-byte residual (what restores the exact fp32 word), instead of a separate 4-byte fp32 copy.
+
+Between steps the main parameters' storage is released. The step restores them a bounded batch of parameters at a
+time (`budget_bytes` of fp32, or one parameter when it is larger), runs the inner optimizer on that batch, copies
+the result into the model as megatron does (round to nearest even), splits it again and releases it. The split is
+exact for any pair of values: a word whose difference to its bf16 high half does not fit 16 bits (a tie rounded
+to even, a NaN) is kept whole in a short exception list.
+
+Anything else that reads or writes the main parameters (checkpoint save and load, reloading them from the model)
+finds them whole: they are restored on entry and split again at the next zero_grad (or step)."""
+
+from __future__ import annotations
+
+import torch
+
+from mm_adaptor.memory import MAIN_PARAM_HOLDER
+
+SLICE = 1 << 22  # elements per codec pass: bounds its int64 temporaries to 32 MiB each
+INT16_MIN, INT16_MAX = -(1 << 15), (1 << 15) - 1
+
+
+def split_words(main: torch.Tensor, model: torch.Tensor, keep_low_bits: bool = True):
+    """(residual int16, exception indices int64, exception words int32) such that join_words(model, ...) gives
+    `main` back bit for bit. main: contiguous fp32; model: bf16 of the same numel (any values)."""
+    words, high_halves = main.reshape(-1).view(torch.int32), model.reshape(-1).view(torch.int16)
+    residual = torch.empty(words.numel(), dtype=torch.int16, device=main.device)
+    indices, exact = [], []
+    for start in range(0, words.numel(), SLICE):
+        end = min(start + SLICE, words.numel())
+        diff = words[start:end].to(torch.int64) - high_halves[start:end].to(torch.int64) * 65536
+        if not keep_low_bits:
+            diff.zero_()
+        outside = ((diff < INT16_MIN) | (diff > INT16_MAX)).nonzero().view(-1)
+        if outside.numel():
+            indices.append(outside + start)
+            exact.append(words[start:end][outside])
+        residual[start:end] = diff.clamp_(INT16_MIN, INT16_MAX)
+    index = torch.cat(indices) if indices else torch.empty(0, dtype=torch.int64, device=main.device)
+    kept = torch.cat(exact) if exact else torch.empty(0, dtype=torch.int32, device=main.device)
+    return residual, index, kept
+
+
+def join_words(out: torch.Tensor, model: torch.Tensor, residual, index, kept) -> None:
+    """Write the fp32 words split_words split into `out` (contiguous fp32, numel of model)."""
+    words, high_halves = out.view(-1).view(torch.int32), model.reshape(-1).view(torch.int16)
+    for start in range(0, words.numel(), SLICE):
+        end = min(start + SLICE, words.numel())
+        joined = high_halves[start:end].to(torch.int64) * 65536 + residual[start:end]
+        words[start:end] = joined.clamp_(-(1 << 31), (1 << 31) - 1)  # exceptions overwritten below
+    if index.numel():
+        words[index] = kept
+
+
+def _settle(group: dict, settings: dict) -> None:
+    """A param group's settings (everything but its params) as they were, keys the step added included."""
+    for key in [k for k in group if k != "params" and k not in settings]:
+        del group[key]
+    group.update(settings)
+
+
+class ReusedMainParams:
+    """The main parameters of one megatron optimizer, kept as residuals of its model parameters."""
+
+    def __init__(self, pairs, inner_optimizer, *, budget_bytes: int, keep_low_bits: bool = True):
+        self.pairs = [(main, model) for main, model in pairs if main is not None and main.numel()]
+        self.inner = inner_optimizer
+        self.budget_bytes = budget_bytes
+        self.keep_low_bits = keep_low_bits
+        self.splits: list = [None] * len(self.pairs)
+        self.steps = 0
+        self.exceptions_last_step = 0
+        for i in range(len(self.pairs)):
+            self._split(i)
+
+    # -- one pair ----------------------------------------------------------------------------------------------
+    def _whole(self, i) -> bool:
+        return self.splits[i] is None
+
+    def _split(self, i) -> None:
+        main, model = self.pairs[i]
+        self.splits[i] = split_words(main.detach(), model.detach(), self.keep_low_bits)
+        main.untyped_storage().resize_(0)
+
+    def _join(self, i) -> None:
+        main, model = self.pairs[i]
+        main.untyped_storage().resize_(main.numel() * main.element_size())
+        join_words(main.detach(), model.detach(), *self.splits[i])
+        self.splits[i] = None
+
+    # -- all pairs ---------------------------------------------------------------------------------------------
+    def join_all(self) -> None:
+        for i in range(len(self.pairs)):
+            if not self._whole(i):
+                self._join(i)
+
+    def split_all(self) -> None:
+        for i in range(len(self.pairs)):
+            if self._whole(i):
+                self._split(i)
+
+    def batches(self) -> list[list[int]]:
+        batches, current, size = [], [], 0
+        for i, (main, _model) in enumerate(self.pairs):
+            nbytes = main.numel() * main.element_size()
+            if current and size + nbytes > self.budget_bytes:
+                batches.append(current)
+                current, size = [], 0
+            current.append(i)
+            size += nbytes
+        return batches + [current] if current else batches
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """The inner optimizer's step, one batch of restored main parameters at a time; then each batch goes to
+        the model (megatron's copy: round to nearest even) and is split again."""
+        groups = self.inner.param_groups
+        originals = [group["params"] for group in groups]
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        reused = {id(main) for main, _ in self.pairs}
+        settled = list(settings)
+        try:
+            for n, batch in enumerate(self.batches() or [[]]):
+                members = {id(self.pairs[i][0]) for i in batch}
+                for i in batch:
+                    if not self._whole(i):
+                        self._join(i)
+                for group, params, setting in zip(groups, originals, settings):
+                    _settle(group, setting)
+                    group["params"] = [p for p in params if id(p) in members or (n == 0 and id(p) not in reused)]
+                self.inner.step()
+                for g, group in enumerate(groups):
+                    if group["params"]:  # an optimizer that counts steps per group counted this one
+                        settled[g] = {k: v for k, v in group.items() if k != "params"}
+                for i in batch:
+                    main, model = self.pairs[i]
+                    model.detach().copy_(main.detach())
+                    self._split(i)
+        finally:
+            for group, params, setting in zip(groups, originals, settled):
+                _settle(group, setting)
+                group["params"] = params
+        self.steps += 1
+        self.exceptions_last_step = sum(s[1].numel() for s in self.splits if s is not None)
+
+    # -- accounting --------------------------------------------------------------------------------------------
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """What holds the main parameters now: residuals and exceptions, and any main parameter kept whole."""
+        tensors = []
+        for i, (main, _model) in enumerate(self.pairs):
+            tensors += [main] if self._whole(i) else [t for t in self.splits[i] if t.numel()]
+        return tensors
+
+    def statistics(self) -> dict:
+        return {"main_params": len(self.pairs), "main_param_elements": sum(m.numel() for m, _ in self.pairs),
+                "exceptions": sum(s[1].numel() for s in self.splits if s is not None),
+                "batches_per_step": len(self.batches()), "steps": self.steps}
+
+
+def holder(optimizer) -> ReusedMainParams | None:
+    return getattr(optimizer, MAIN_PARAM_HOLDER, None)
+
+
+def main_and_model_pairs(optimizer):
+    """(fp32 main, bf16 model values it rounds into) of a Float16OptimizerWithFloat16Params or a
+    DistributedOptimizer (there: this rank's shard of each parameter, inside the DDP parameter buffer)."""
+    if hasattr(optimizer, "shard_fp32_from_float16_groups"):
+        mains, models = optimizer.shard_fp32_from_float16_groups, optimizer.shard_float16_groups
+    else:
+        mains, models = optimizer.fp32_from_float16_groups, optimizer.float16_groups
+    return [pair for main_group, model_group in zip(mains, models) for pair in zip(main_group, model_group)]
+
+
+class Patches:
+    """The wrappers that keep an optimizer's main parameters as residuals; `options`: what ReusedMainParams
+    takes besides the pairs (budget_bytes, keep_low_bits)."""
+
+    def __init__(self, **options):
+        self.options = options
+        self.attached: list[ReusedMainParams] = []
+
+    def init(self, wrapped, instance, args, kwargs):
+        wrapped(*args, **kwargs)
+        if getattr(instance, "is_stub_optimizer", False) or not instance.config.bf16:
+            return
+        reused = ReusedMainParams(main_and_model_pairs(instance), instance.optimizer, **self.options)
+        setattr(instance, MAIN_PARAM_HOLDER, reused)
+        self.attached.append(reused)
+
+    @staticmethod
+    def step_with_ready_grads(wrapped, instance, args, kwargs):
+        reused = holder(instance)
+        if reused is None:
+            return wrapped(*args, **kwargs)
+        reused.step()  # megatron's inner step and main-to-model copy, batch by batch
+        return True
+
+    @staticmethod
+    def whole_meanwhile(wrapped, instance, args, kwargs):
+        """For methods that read or write main parameters: they find them whole (split at the next zero_grad)."""
+        reused = holder(instance)
+        if reused is not None:
+            reused.join_all()
+        return wrapped(*args, **kwargs)
+
+    @staticmethod
+    def zero_grad(wrapped, instance, args, kwargs):
+        reused = holder(instance)
+        if reused is not None:
+            reused.split_all()
+        return wrapped(*args, **kwargs)
+
+    def statistics(self) -> dict | None:
+        if not self.attached:
+            return None
+        totals: dict = {}
+        for reused in self.attached:
+            for key, value in reused.statistics().items():
+                totals[key] = max(totals.get(key, 0), value) if key == "steps" else totals.get(key, 0) + value
+        return totals
+
+
+OPTIMIZER = "megatron.core.optimizer.optimizer"
+DISTRIBUTED = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
+FLOAT16 = f"{OPTIMIZER}.Float16OptimizerWithFloat16Params"
+# Methods that read or write main parameters outside the step, where each is defined.
+READERS_AND_WRITERS = (
+    f"{OPTIMIZER}.MegatronOptimizer.offload_to_cpu",
+    f"{OPTIMIZER}.MegatronOptimizer.restore_from_cpu",
+    f"{FLOAT16}.state_dict", f"{FLOAT16}.sharded_state_dict", f"{FLOAT16}.load_state_dict",
+    f"{FLOAT16}._copy_main_params_to_model_params", f"{FLOAT16}._copy_model_params_to_main_params",
+    f"{DISTRIBUTED}.sharded_state_dict", f"{DISTRIBUTED}.load_state_dict",
+    f"{DISTRIBUTED}._copy_main_params_to_model_params", f"{DISTRIBUTED}._copy_main_params_to_param_buffer",
+    f"{DISTRIBUTED}._copy_model_params_to_main_params",
+    f"{DISTRIBUTED}.save_parameter_state", f"{DISTRIBUTED}.load_parameter_state",
+    f"{DISTRIBUTED}.get_parameter_state_dp_zero", f"{DISTRIBUTED}.get_parameter_state_dp_reshardable",
+)
+ZERO_GRADS = (f"{FLOAT16}.zero_grad", f"{DISTRIBUTED}.zero_grad")
+INITS = (f"{FLOAT16}.__init__", f"{DISTRIBUTED}.__init__")
+STEP = f"{OPTIMIZER}.MixedPrecisionOptimizer.step_with_ready_grads"

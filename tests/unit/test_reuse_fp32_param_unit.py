@@ -1,0 +1,137 @@
+"""--reuse-fp32-param: one-line refusals, the split of fp32 words into bf16 high halves and residuals (exact for
+every word, ties and NaNs included), and the batched step against a plain optimizer, bit for bit."""
+
+import argparse
+
+import pytest
+import torch
+
+from mm_adaptor.features import FeatureConfigError, get
+from mm_adaptor.patches.optimizer.reuse_fp32_param import ReusedMainParams, join_words, split_words
+
+
+def options(**kw):
+    base = dict(reuse_fp32_param=True, reuse_fp32_param_step_mb=None, bf16=True)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("kw,names", [
+    (dict(reuse_fp32_param=False, reuse_fp32_param_step_mb=8), ["--reuse-fp32-param-step-mb", "needs"]),
+    (dict(reuse_fp32_param_step_mb=0), ["--reuse-fp32-param-step-mb 0"]),
+    (dict(bf16=False), ["--reuse-fp32-param", "--bf16"]),
+    (dict(bf16=False, fp16=True), ["--bf16", "--fp16"]),
+    (dict(use_precision_aware_optimizer=True), ["--use-precision-aware-optimizer"]),
+    (dict(optimizer_cpu_offload=True), ["--optimizer-cpu-offload"]),
+])
+def test_refusals_are_one_line_naming_the_flags(kw, names):
+    feature = get("reuse-fp32-param")
+    opts = options(**kw)
+    assert feature.is_enabled(opts)
+    with pytest.raises(FeatureConfigError) as error:
+        feature.validate(opts)
+    message = str(error.value)
+    assert "\n" not in message
+    for name in names:
+        assert name in message, message
+
+
+def every_kind_of_word():
+    g = torch.Generator().manual_seed(0)
+    random_words = torch.randint(-2**31, 2**31, (200_000,), dtype=torch.int64, generator=g)
+    high = torch.randint(-2**15, 2**15, (2000,), dtype=torch.int64, generator=g)
+    ties = high * 65536 + 0x8000  # exactly half way between two bf16 values: round to even
+    edges = torch.tensor([0, -2**31, 2**31 - 1, 0x7F800000, -8388608, 0x7FC00000, 0x7F7FFFFF, 0x7F7F8000, 0x00008000,
+                          -2147450880, 1], dtype=torch.int64)
+    return torch.cat([random_words, ties.clamp(-2**31, 2**31 - 1), edges]).to(torch.int32)
+
+
+def test_split_and_join_give_back_every_word():
+    words = every_kind_of_word()
+    main = words.view(torch.float32)
+    model = main.to(torch.bfloat16)  # megatron's copy: round to nearest even
+    residual, index, kept = split_words(main, model)
+    assert residual.dtype == torch.int16 and residual.numel() == main.numel()
+    out = torch.empty_like(main)
+    join_words(out, model, residual, index, kept)
+    assert torch.equal(out.view(torch.int32), words)
+    # among finite words, the one difference a 16-bit residual cannot hold: half way, rounded down to even
+    ties_to_even_below = ((words & 0x1FFFF) == 0x8000) & torch.isfinite(main)
+    kept_whole = torch.zeros_like(ties_to_even_below)
+    kept_whole[index] = True
+    assert torch.equal(kept_whole & torch.isfinite(main), ties_to_even_below)
+
+
+def test_split_is_exact_for_any_model_values():
+    """A checkpoint's model values need not be the rounded main values: what does not fit is kept whole."""
+    words = every_kind_of_word()
+    main = words.view(torch.float32)
+    model = torch.randn(main.numel(), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    out = torch.empty_like(main)
+    join_words(out, model, *split_words(main, model))
+    assert torch.equal(out.view(torch.int32), words)
+
+
+def test_dropping_the_low_bits_is_not_exact():
+    main = torch.randn(1000)
+    model = main.to(torch.bfloat16)
+    out = torch.empty_like(main)
+    join_words(out, model, *split_words(main, model, keep_low_bits=False))
+    assert not torch.equal(out, main)
+
+
+class CountsStepsPerGroup(torch.optim.AdamW):
+    """Like Transformer Engine's FusedAdam: the step count lives in the group and a group without params keeps it."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if group["params"]:
+                group["step"] = group.get("step", 0) + 1
+        return super().step(closure)
+
+
+def models_and_mains(seed):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(64, 32), (300,), (16, 16), (1000,)]
+    models = [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
+    mains = [m.float() for m in models]
+    for main in mains:
+        main.requires_grad_(True)
+    return models, mains
+
+
+@pytest.mark.parametrize("budget_bytes", [1, 4096, 2**30], ids=["one-param-batches", "mixed", "one-batch"])
+def test_batched_step_matches_the_plain_optimizer_bit_for_bit(budget_bytes):
+    models_ref, mains_ref = models_and_mains(0)
+    models, mains = models_and_mains(0)
+    fp32_ref, fp32 = torch.randn(10, requires_grad=True), None
+    fp32 = fp32_ref.detach().clone().requires_grad_(True)
+    groups = lambda ms, extra: [{"params": ms[:2] + [extra]}, {"params": ms[2:], "weight_decay": 0.0}]  # noqa: E731
+    ref = CountsStepsPerGroup(groups(mains_ref, fp32_ref), lr=1e-2)
+    opt = CountsStepsPerGroup(groups(mains, fp32), lr=1e-2)
+    reused = ReusedMainParams(zip(mains, models), opt, budget_bytes=budget_bytes)
+    assert all(m.untyped_storage().nbytes() == 0 for m in mains), "the main copies are released between steps"
+    g = torch.Generator().manual_seed(2)
+    for _ in range(5):
+        for a, b in zip([*mains_ref, fp32_ref], [*mains, fp32]):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        ref.step()
+        for model, main in zip(models_ref, mains_ref):
+            model.copy_(main.detach())
+        reused.step()
+        assert [m.untyped_storage().nbytes() for m in mains] == [0] * len(mains)
+        for a, b in zip(models_ref, models):
+            assert torch.equal(a, b)
+        assert torch.equal(fp32_ref, fp32), "a parameter without a pair steps once, with the first batch"
+    assert [g["step"] for g in opt.param_groups] == [g["step"] for g in ref.param_groups] == [5, 5]
+    assert len(reused.batches()) == {1: len(mains), 4096: 3, 2**30: 1}[budget_bytes]
+    reused.join_all()
+    for a, b in zip(mains_ref, mains):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), "restored fp32 words"
+    for main_ref, main in zip(mains_ref, mains):
+        a, b = ref.state[main_ref], opt.state[main]
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    reused.split_all()
+    assert sum(t.numel() * t.element_size() for t in reused.resident_tensors()) == \
+        2 * sum(m.numel() for m in mains) + 12 * reused.statistics()["exceptions"]
