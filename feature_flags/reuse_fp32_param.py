@@ -4,7 +4,7 @@ residual, not as a separate 4-byte copy; restored exactly, a batch at a time, fo
 from mm_adaptor.features import Feature, Flag, FeatureConfigError, Tolerance, register
 
 MAIN = "--reuse-fp32-param"
-BUDGET = "--reuse-fp32-param-step-mb"
+BUDGET = "--reuse-fp32-param-batch-mb"
 DEFAULT_BUDGET_MB = 256
 
 
@@ -23,7 +23,7 @@ class ReuseFp32Param(Feature):
                                           "updates the same values")
 
     def is_enabled(self, options) -> bool:
-        return bool(getattr(options, "reuse_fp32_param", False)) or getattr(options, "reuse_fp32_param_step_mb",
+        return bool(getattr(options, "reuse_fp32_param", False)) or getattr(options, "reuse_fp32_param_batch_mb",
                                                                             None) is not None
 
     def validate(self, options):
@@ -34,7 +34,7 @@ class ReuseFp32Param(Feature):
     def patch_sets(self, options):
         from mm_adaptor.patches.optimizer import reuse_fp32_param as reuse
 
-        budget = getattr(options, "reuse_fp32_param_step_mb", None)
+        budget = getattr(options, "reuse_fp32_param_batch_mb", None)
         self.patches = reuse.Patches(budget_bytes=(budget or DEFAULT_BUDGET_MB) * 2**20)
         return [patch_set(self.name, self.patches)]
 
@@ -61,21 +61,13 @@ def patch_set(name: str, patches):
 
 def refusal_for(options) -> str | None:
     """One line naming the flags that cannot work together, or None."""
-    on = bool(getattr(options, "reuse_fp32_param", False))
-    budget = getattr(options, "reuse_fp32_param_step_mb", None)
-    if budget is not None and not on:
-        return f"{BUDGET} needs {MAIN}: add {MAIN} or drop {BUDGET}"
-    if budget is not None and budget < 1:
-        return f"{BUDGET} {budget} is below 1: give the MiB of fp32 main parameters the step restores at once"
+    from mm_adaptor.feature_flags.swap_optimizer import budget_refusal, state_owner_refusal
+
+    refusal = budget_refusal(options, "reuse_fp32_param", MAIN, BUDGET)
+    if refusal:
+        return refusal
     if getattr(options, "fp16", False):
         return f"{MAIN} keeps fp32 main parameters as bf16 high halves: it needs --bf16, not --fp16"
     if not getattr(options, "bf16", False):
         return f"{MAIN} needs --bf16 (without it there is no separate fp32 main copy to fold away)"
-    for megatron_flag, dest in (("--use-precision-aware-optimizer", "use_precision_aware_optimizer"),
-                                ("--optimizer-cpu-offload", "optimizer_cpu_offload"),
-                                ("--use-torch-fsdp2", "use_torch_fsdp2"),
-                                ("--use-megatron-fsdp", "use_megatron_fsdp"),
-                                ("--fp8-format", "fp8")):
-        if getattr(options, dest, None):
-            return (f"{MAIN} and megatron's {megatron_flag} both decide where the main parameters live: keep one")
-    return None
+    return state_owner_refusal(options, MAIN, (("--fp8-format", "fp8"), ("--swap-optimizer", "swap_optimizer")))

@@ -174,32 +174,37 @@ def _compute_device(model_chunks, device) -> torch.device:
     return params[0].device if params else torch.device("cpu")
 
 
-# A megatron optimizer that keeps its main parameters in other tensors than the inner optimizer's params (whose
-# storage it releases between steps) has an object under this attribute whose resident_tensors() lists them.
-MAIN_PARAM_HOLDER = "mm_adaptor_main_param_holder"
-
-
-def _resident(t: torch.Tensor) -> bool:
-    return t.untyped_storage().nbytes() > 0
+# A megatron optimizer whose main parameters or moments a feature keeps elsewhere than where the inner optimizer
+# finds them between steps (released storage, residuals, host memory) has an object under this attribute whose
+# state_tensors() lists (kind, residence, tensor) for everything it manages, kind being
+# "optimizer_main_param_bytes" or "optimizer_moment_bytes".
+STATE_HOLDER = "mm_adaptor_state_holder"
 
 
 def _optimizer_state_tensors(optimizer):
     """(main params, moments) of a megatron optimizer (chained or not) or of a plain torch optimizer, as they are
-    held now (see MAIN_PARAM_HOLDER). Scalars in the state (Adam's step counts) are not moments and are left out."""
+    held now, each as (tensor, residence or None: where its device says). Scalars in the state (Adam's step
+    counts) are not moments and are left out."""
     if optimizer is None:
         return [], []
-    mains, moments = [], []
+    held = {"optimizer_main_param_bytes": [], "optimizer_moment_bytes": []}
     for outer in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(outer, "optimizer", outer)
-        holder = getattr(outer, MAIN_PARAM_HOLDER, None)
+        holder = getattr(outer, STATE_HOLDER, None)
+        covered = set()
         if holder is not None:
-            mains += holder.resident_tensors()
+            for kind, residence, t in holder.state_tensors():
+                held[kind].append((t, residence))
+                covered.add(id(t))
         for group in inner.param_groups:
             for p in group["params"]:
-                if holder is None or _resident(p):
-                    mains.append(p)
-                moments += [v for v in inner.state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return mains, moments
+                if id(p) not in covered and p.untyped_storage().nbytes():
+                    held["optimizer_main_param_bytes"].append((p, None))
+                held["optimizer_moment_bytes"] += [
+                    (v, None) for v in inner.state.get(p, {}).values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0 and id(v) not in covered
+                    and v.untyped_storage().nbytes()]
+    return held["optimizer_main_param_bytes"], held["optimizer_moment_bytes"]
 
 
 def model_state_bytes(model_chunks, optimizer=None, device=None) -> dict:
@@ -216,19 +221,22 @@ def model_state_bytes(model_chunks, optimizer=None, device=None) -> dict:
     params = [p for c in model_chunks for p in unwrap(c).parameters()]
     mains, moments = _optimizer_state_tensors(optimizer)
     grads = [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
-    grads += [p.grad for p in mains if p.grad is not None]
+    grads += [t.grad for t, _ in mains if t.grad is not None]
     by_residence = {r: dict.fromkeys(STATE_KINDS, 0) for r in RESIDENCES}
     claimed: dict[tuple, list[tuple[int, int]]] = {}
-    for kind, tensors in zip(STATE_KINDS, (params, grads, mains, moments)):
+    for kind, tensors in zip(STATE_KINDS, ([(p, None) for p in params], [(g, None) for g in grads], mains, moments)):
         spans: dict[tuple, list[tuple[int, int]]] = {}
-        for t in tensors:
+        residences: dict[tuple, str] = {}
+        for t, residence in tensors:
             if t.numel() and t.device.type != "meta":
-                spans.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(_byte_span(t))
+                key = (t.device, t.untyped_storage().data_ptr())
+                spans.setdefault(key, []).append(_byte_span(t))
+                residences[key] = residence or ("host" if t.device.type == "cpu" and compute.type != "cpu"
+                                                else "device")
         for key, storage_spans in spans.items():
             merged = _merge(storage_spans)
             new = sum(end - start for start, end in merged) - _overlap(merged, claimed.get(key, []))
-            residence = "host" if key[0].type == "cpu" and compute.type != "cpu" else "device"
-            by_residence[residence][kind] += new
+            by_residence[residences[key]][kind] += new
             claimed[key] = _merge(claimed.get(key, []) + merged)
     totals = {kind: sum(by_residence[r][kind] for r in RESIDENCES) for kind in STATE_KINDS}
     return dict(totals,

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from mm_adaptor.memory import MAIN_PARAM_HOLDER
+from mm_adaptor.memory import STATE_HOLDER
+from mm_adaptor.patches.optimizer.batched_step import batches_by_bytes, step_in_batches
 
 SLICE = 1 << 22  # elements per codec pass: bounds its int64 temporaries to 32 MiB each
 INT16_MIN, INT16_MAX = -(1 << 15), (1 << 15) - 1
@@ -52,13 +53,6 @@ def join_words(out: torch.Tensor, model: torch.Tensor, residual, index, kept) ->
         words[index] = kept
 
 
-def _settle(group: dict, settings: dict) -> None:
-    """A param group's settings (everything but its params) as they were, keys the step added included."""
-    for key in [k for k in group if k != "params" and k not in settings]:
-        del group[key]
-    group.update(settings)
-
-
 class ReusedMainParams:
     """The main parameters of one megatron optimizer, kept as residuals of its model parameters."""
 
@@ -69,7 +63,6 @@ class ReusedMainParams:
         self.keep_low_bits = keep_low_bits
         self.splits: list = [None] * len(self.pairs)
         self.steps = 0
-        self.exceptions_last_step = 0
         for i in range(len(self.pairs)):
             self._split(i)
 
@@ -100,56 +93,37 @@ class ReusedMainParams:
                 self._split(i)
 
     def batches(self) -> list[list[int]]:
-        batches, current, size = [], [], 0
-        for i, (main, _model) in enumerate(self.pairs):
-            nbytes = main.numel() * main.element_size()
-            if current and size + nbytes > self.budget_bytes:
-                batches.append(current)
-                current, size = [], 0
-            current.append(i)
-            size += nbytes
-        return batches + [current] if current else batches
+        return batches_by_bytes([main for main, _ in self.pairs], self.budget_bytes)
 
     @torch.no_grad()
     def step(self) -> None:
         """The inner optimizer's step, one batch of restored main parameters at a time; then each batch goes to
         the model (megatron's copy: round to nearest even) and is split again."""
-        groups = self.inner.param_groups
-        originals = [group["params"] for group in groups]
-        settings = [{k: v for k, v in group.items() if k != "params"} for group in groups]
-        reused = {id(main) for main, _ in self.pairs}
-        settled = list(settings)
-        try:
-            for n, batch in enumerate(self.batches() or [[]]):
-                members = {id(self.pairs[i][0]) for i in batch}
-                for i in batch:
-                    if not self._whole(i):
-                        self._join(i)
-                for group, params, setting in zip(groups, originals, settings):
-                    _settle(group, setting)
-                    group["params"] = [p for p in params if id(p) in members or (n == 0 and id(p) not in reused)]
-                self.inner.step()
-                for g, group in enumerate(groups):
-                    if group["params"]:  # an optimizer that counts steps per group counted this one
-                        settled[g] = {k: v for k, v in group.items() if k != "params"}
-                for i in batch:
-                    main, model = self.pairs[i]
-                    model.detach().copy_(main.detach())
-                    self._split(i)
-        finally:
-            for group, params, setting in zip(groups, originals, settled):
-                _settle(group, setting)
-                group["params"] = params
+        batches = self.batches()
+
+        def join(n):
+            for i in batches[n]:
+                if not self._whole(i):
+                    self._join(i)
+
+        def copy_to_model_and_split(n):
+            for i in batches[n]:
+                main, model = self.pairs[i]
+                model.detach().copy_(main.detach())
+                self._split(i)
+
+        step_in_batches(self.inner, [[self.pairs[i][0] for i in batch] for batch in batches], join,
+                        copy_to_model_and_split)
         self.steps += 1
-        self.exceptions_last_step = sum(s[1].numel() for s in self.splits if s is not None)
 
     # -- accounting --------------------------------------------------------------------------------------------
-    def resident_tensors(self) -> list[torch.Tensor]:
-        """What holds the main parameters now: residuals and exceptions, and any main parameter kept whole."""
+    def state_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        """What holds the main parameters now: residuals and exceptions, or the main parameter when kept whole
+        (mm_adaptor.memory.STATE_HOLDER)."""
         tensors = []
         for i, (main, _model) in enumerate(self.pairs):
             tensors += [main] if self._whole(i) else [t for t in self.splits[i] if t.numel()]
-        return tensors
+        return [("optimizer_main_param_bytes", "device", t) for t in tensors]
 
     def statistics(self) -> dict:
         return {"main_params": len(self.pairs), "main_param_elements": sum(m.numel() for m, _ in self.pairs),
@@ -158,7 +132,7 @@ class ReusedMainParams:
 
 
 def holder(optimizer) -> ReusedMainParams | None:
-    return getattr(optimizer, MAIN_PARAM_HOLDER, None)
+    return getattr(optimizer, STATE_HOLDER, None)
 
 
 def main_and_model_pairs(optimizer):
@@ -184,7 +158,7 @@ class Patches:
         if getattr(instance, "is_stub_optimizer", False) or not instance.config.bf16:
             return
         reused = ReusedMainParams(main_and_model_pairs(instance), instance.optimizer, **self.options)
-        setattr(instance, MAIN_PARAM_HOLDER, reused)
+        setattr(instance, STATE_HOLDER, reused)
         self.attached.append(reused)
 
     @staticmethod

@@ -200,6 +200,7 @@ OPCHECK_CASES = [
                                     torch.tensor([2, 0, 4]))),
     ("grouped_matmul_bwd", lambda: (torch.randn(6, 5), torch.randn(6, 4), torch.randn(3, 4, 5),
                                     torch.tensor([2, 0, 4]))),
+    ("host_mapped_copy", lambda: (torch.randn(3, 5),)),
 ]
 
 

@@ -11,14 +11,14 @@ from mm_adaptor.patches.optimizer.reuse_fp32_param import ReusedMainParams, join
 
 
 def options(**kw):
-    base = dict(reuse_fp32_param=True, reuse_fp32_param_step_mb=None, bf16=True)
+    base = dict(reuse_fp32_param=True, reuse_fp32_param_batch_mb=None, bf16=True)
     base.update(kw)
     return argparse.Namespace(**base)
 
 
 @pytest.mark.parametrize("kw,names", [
-    (dict(reuse_fp32_param=False, reuse_fp32_param_step_mb=8), ["--reuse-fp32-param-step-mb", "needs"]),
-    (dict(reuse_fp32_param_step_mb=0), ["--reuse-fp32-param-step-mb 0"]),
+    (dict(reuse_fp32_param=False, reuse_fp32_param_batch_mb=8), ["--reuse-fp32-param-batch-mb", "needs"]),
+    (dict(reuse_fp32_param_batch_mb=0), ["--reuse-fp32-param-batch-mb 0"]),
     (dict(bf16=False), ["--reuse-fp32-param", "--bf16"]),
     (dict(bf16=False, fp16=True), ["--bf16", "--fp16"]),
     (dict(use_precision_aware_optimizer=True), ["--use-precision-aware-optimizer"]),
@@ -133,5 +133,5 @@ def test_batched_step_matches_the_plain_optimizer_bit_for_bit(budget_bytes):
         a, b = ref.state[main_ref], opt.state[main]
         assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
     reused.split_all()
-    assert sum(t.numel() * t.element_size() for t in reused.resident_tensors()) == \
+    assert sum(t.numel() * t.element_size() for _, _, t in reused.state_tensors()) == \
         2 * sum(m.numel() for m in mains) + 12 * reused.statistics()["exceptions"]

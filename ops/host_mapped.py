@@ -1,0 +1,38 @@
+"""host_mapped_copy: a copy of a device tensor whose memory is host memory mapped into the device's address space,
+so device kernels read and write it in place (no copy code). CUDA: csrc/cuda/host_mapped.cu (cudaHostAlloc with
+cudaHostAllocMapped, wrapped as a CUDA tensor that frees it with cudaFreeHost); NPU: torch_npu's swapped-memory
+allocation; CPU: the host is the device, an ordinary copy (the reference)."""
+
+from __future__ import annotations
+
+import torch
+
+from mm_adaptor.ops.library import OpSpec, ensure, op, register
+
+
+def reference(src):
+    return src.clone()
+
+
+def fake(src):
+    return torch.empty_like(src)
+
+
+def npu(src):
+    import torch_npu
+
+    allocate = getattr(torch_npu, "empty_with_swapped_memory", None)
+    if allocate is None:
+        raise RuntimeError("host_mapped_copy on NPU needs torch_npu.empty_with_swapped_memory (torch_npu >= 2.1)")
+    return allocate(src.shape, dtype=src.dtype, device=src.device).copy_(src)
+
+
+SPECS = register(
+    OpSpec("host_mapped_copy", "(Tensor src) -> Tensor", reference, fake, native=("cuda",), npu=npu),
+)
+
+
+def host_mapped_copy(src: torch.Tensor) -> torch.Tensor:
+    """`src`'s values in host memory the device addresses directly (a tensor on src's device)."""
+    ensure(src.device.type)
+    return op("host_mapped_copy")(src)

@@ -1,0 +1,197 @@
+"""--swap-optimizer: the distributed optimizer's fp32 main-parameter shards (bf16 runs; in fp32 runs they are the
+model's own parameters and stay) and Adam's moments live in pinned host memory between steps.
+
+Between steps they are ordinary host tensors, so checkpoint save and load, and reloading main parameters from the
+model, read and write them where they are. For the step each main parameter first becomes a device tensor without
+storage (megatron hands it its gradient), then the inner optimizer runs over batches of at most `budget_bytes` of
+state: batch i + 1 is copied to the device on one stream while batch i is updated, each updated batch goes to the
+model (megatron's copy) and back to host memory on another stream; a device buffer is freed only when the copy
+out of it has finished (record_stream), and the step waits for the last copy before it returns."""
+
+from __future__ import annotations
+
+import torch
+
+from mm_adaptor.memory import STATE_HOLDER
+from mm_adaptor.patches.optimizer.batched_step import batches_by_bytes, step_in_batches
+from mm_adaptor.patches.optimizer.reuse_fp32_param import main_and_model_pairs
+
+ADAM_BYTES_PER_ELEMENT = 12  # fp32 main parameter and two fp32 moments
+
+
+def _device_tensor_without_storage(like: torch.Tensor, device) -> torch.Tensor:
+    t = torch.empty(like.shape, dtype=like.dtype, device=device)
+    t.untyped_storage().resize_(0)
+    return t
+
+
+class SwappedOptimizerState:
+    """Main parameters and moments of one megatron optimizer, kept in host memory between steps. Invariant: between
+    steps every swapped tensor's data is its host copy (a moment the checkpoint loader replaced included), except
+    the main parameters from prepare_grads to the end of the step (`released`: device tensors without storage)."""
+
+    def __init__(self, optimizer, *, budget_bytes: int, backend):
+        self.inner = optimizer.optimizer
+        self.backend = backend
+        self.device = backend.torch_device()
+        self.pairs = [(main, model) for main, model in main_and_model_pairs(optimizer) if main is not None]
+        self.main_ids = {id(main) for main, _ in self.pairs}
+        self.params = [p for group in self.inner.param_groups for p in group["params"]]
+        self.budget_bytes = budget_bytes
+        self.host: dict[int, torch.Tensor] = {}  # id(tensor) -> its host copy while its data is elsewhere
+        self.released: set[int] = set()
+        self.steps = 0
+        self.bytes_to_device = self.bytes_to_host = 0
+        self._fetch, self._store = backend.new_stream(), backend.new_stream()
+        for main, _ in self.pairs:
+            host = self.new_host_buffer(main)
+            host.copy_(main.data)
+            main.data = host
+
+    def new_host_buffer(self, t: torch.Tensor) -> torch.Tensor:
+        return self.backend.host_buffer(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+
+    def host_buffer_for(self, t: torch.Tensor) -> torch.Tensor:
+        """Where `t` goes back to: the host copy it came from (pinned where the backend pins), else a new one."""
+        host = self.host.pop(id(t), None)
+        usable = host is not None and host.shape == t.shape and (host.is_pinned() or not self.backend.pins_host_memory)
+        return host if usable else self.new_host_buffer(t)
+
+    def _moments(self, p) -> list[torch.Tensor]:
+        return [v for v in self.inner.state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+    def _swapped(self, p) -> list[torch.Tensor]:
+        return ([p] if id(p) in self.main_ids else []) + self._moments(p)
+
+    def release_mains_for_grads(self) -> None:
+        """Each main parameter becomes a device tensor without storage: megatron can hand it its gradient."""
+        for main, _ in self.pairs:
+            if id(main) not in self.released:
+                self.host[id(main)] = main.data
+                main.data = _device_tensor_without_storage(main, self.device)
+                self.released.add(id(main))
+
+    def mains_back_to_host(self) -> None:
+        for main, _ in self.pairs:
+            if id(main) in self.released:
+                main.data = self.host.pop(id(main))
+        self.released.clear()
+
+    # -- the step ----------------------------------------------------------------------------------------------
+    def batches(self) -> list[list[int]]:
+        return batches_by_bytes(self.params, self.budget_bytes, ADAM_BYTES_PER_ELEMENT)
+
+    def _to_device(self, tensors):
+        """Start copying `tensors` (host-resident, or released main parameters) to the device; the returned
+        event marks their arrival."""
+        self._fetch.wait_stream(self.backend.current_stream())  # the memory allocated below is free there
+        for t in tensors:
+            source = self.host[id(t)] if id(t) in self.released else t.data
+            self.host[id(t)] = source
+            device = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+            with self.backend.use_stream(self._fetch):
+                device.copy_(source, non_blocking=True)
+            if device.device.type != "cpu":
+                device.record_stream(self._fetch)
+            t.data = device
+            self.bytes_to_device += device.numel() * device.element_size()
+        self.released.difference_update(id(t) for t in tensors)
+        event = self.backend.new_event()
+        event.record(self._fetch)
+        return event
+
+    def _to_host(self, tensors) -> None:
+        self._store.wait_stream(self.backend.current_stream())  # the update has been computed
+        for t in tensors:
+            host, device = self.host_buffer_for(t), t.data
+            with self.backend.use_stream(self._store):
+                host.copy_(device, non_blocking=True)
+            if device.device.type != "cpu":
+                device.record_stream(self._store)  # its memory is reused only after this copy
+            t.data = host
+            self.bytes_to_host += device.numel() * device.element_size()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        batches = [[self.params[i] for i in batch] for batch in self.batches()]
+        model_of = {id(main): model for main, model in self.pairs}
+        arrived = {}
+
+        def fetch(n):
+            if n < len(batches):  # moments exist from the first step on; they are made on the device then
+                arrived[n] = self._to_device([t for p in batches[n] for t in self._swapped(p)])
+
+        def before(n):
+            if n == 0:
+                fetch(0)
+            self.backend.current_stream().wait_event(arrived.pop(n))
+            fetch(n + 1)  # overlaps this batch's update
+
+        def after(n):
+            for p in batches[n]:
+                if id(p) in model_of:
+                    model_of[id(p)].detach().copy_(p.detach())
+            self._to_host([t for p in batches[n] for t in self._swapped(p)])
+
+        step_in_batches(self.inner, batches, before, after)
+        self._store.synchronize()  # host memory holds every update before anything reads it
+        self.steps += 1
+
+    # -- accounting --------------------------------------------------------------------------------------------
+    def state_tensors(self):
+        mains = [("optimizer_main_param_bytes", "host", main) for main, _ in self.pairs]
+        moments = [("optimizer_moment_bytes", "host", m) for p in self.params for m in self._moments(p)]
+        return mains + moments
+
+    def statistics(self) -> dict:
+        return {"steps": self.steps, "batches_per_step": len(self.batches()),
+                "bytes_to_device": self.bytes_to_device, "bytes_to_host": self.bytes_to_host}
+
+
+class Patches:
+    """The wrappers that keep an optimizer's main parameters and moments in host memory; `options`: what
+    SwappedOptimizerState takes besides the optimizer (budget_bytes); `state_class` for the harness's self-test."""
+
+    def __init__(self, state_class=SwappedOptimizerState, **options):
+        self.state_class = state_class
+        self.options = options
+        self.attached: list = []
+
+    def init(self, wrapped, instance, args, kwargs):
+        from mm_adaptor import devices
+
+        wrapped(*args, **kwargs)
+        if getattr(instance, "is_stub_optimizer", False):
+            return
+        state = self.state_class(instance, backend=devices.current_or_chosen(), **self.options)
+        setattr(instance, STATE_HOLDER, state)
+        self.attached.append(state)
+
+    @staticmethod
+    def prepare_grads(wrapped, instance, args, kwargs):
+        state = getattr(instance, STATE_HOLDER, None)
+        if state is None:
+            return wrapped(*args, **kwargs)
+        state.release_mains_for_grads()
+        found_inf = wrapped(*args, **kwargs)
+        if found_inf:  # no step follows
+            state.mains_back_to_host()
+        return found_inf
+
+    @staticmethod
+    def step_with_ready_grads(wrapped, instance, args, kwargs):
+        state = getattr(instance, STATE_HOLDER, None)
+        if state is None:
+            return wrapped(*args, **kwargs)
+        state.step()
+        state.mains_back_to_host()
+        return True
+
+    def statistics(self) -> dict | None:
+        if not self.attached:
+            return None
+        totals: dict = {}
+        for state in self.attached:
+            for key, value in state.statistics().items():
+                totals[key] = max(totals.get(key, 0), value) if key == "steps" else totals.get(key, 0) + value
+        return totals
