@@ -272,6 +272,7 @@ def _split_feature_args(argv: list[str], feature_flags: set[str]) -> tuple[list[
     from mm_adaptor import features
 
     takes_value = {flag.option for _, flag in features.all_flags() if not flag.is_switch}
+    value_optional = {flag.option for _, flag in features.all_flags() if flag.value_optional}
     feature_args, extra = [], []
     i = 0
     while i < len(argv):
@@ -279,7 +280,8 @@ def _split_feature_args(argv: list[str], feature_flags: set[str]) -> tuple[list[
         name = token.split("=", 1)[0]
         if name in feature_flags:
             feature_args.append(token)
-            if name in takes_value and "=" not in token and i + 1 < len(argv):
+            if name in takes_value and "=" not in token and i + 1 < len(argv) and not (
+                    name in value_optional and argv[i + 1].startswith("-")):
                 feature_args.append(argv[i + 1])
                 i += 1
         else:

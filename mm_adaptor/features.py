@@ -32,6 +32,9 @@ class Flag:
     default: Any = None
     choices: tuple | None = None
     megatron_owned: bool = False
+    # A flag whose value may be left out (nargs "?"): given alone it takes `const`.
+    value_optional: bool = False
+    const: Any = None
 
     @property
     def dest(self) -> str:
@@ -48,6 +51,9 @@ class Flag:
         if self.is_switch:
             parser_or_group.add_argument(self.option, action="store_true", default=self.default_value(),
                                          help=self.help)
+        elif self.value_optional:
+            parser_or_group.add_argument(self.option, type=self.type, default=self.default, nargs="?",
+                                         const=self.const, choices=self.choices, help=self.help)
         else:
             parser_or_group.add_argument(self.option, type=self.type, default=self.default,
                                          choices=self.choices, help=self.help)

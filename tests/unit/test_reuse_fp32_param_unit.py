@@ -135,3 +135,34 @@ def test_batched_step_matches_the_plain_optimizer_bit_for_bit(budget_bytes):
     reused.split_all()
     assert sum(t.numel() * t.element_size() for _, _, t in reused.state_tensors()) == \
         2 * sum(m.numel() for m in mains) + 12 * reused.statistics()["exceptions"]
+
+
+@pytest.mark.parametrize("feature,kw,names", [
+    ("swap-optimizer", dict(swap_optimizer=True), ["--swap-optimizer", "--use-distributed-optimizer"]),
+    ("swap-optimizer", dict(swap_optimizer=False, swap_optimizer_batch_mb=4), ["--swap-optimizer-batch-mb", "needs"]),
+    ("swap-optimizer", dict(swap_optimizer=True, use_distributed_optimizer=True, reuse_fp32_param=True),
+     ["--swap-optimizer", "--reuse-fp32-param"]),
+    ("swap-optimizer", dict(swap_optimizer=True, use_distributed_optimizer=True, optimizer_cpu_offload=True),
+     ["--optimizer-cpu-offload"]),
+    ("virtual-optimizer", dict(virtual_optimizer=-1.0), ["--virtual-optimizer -1", "negative"]),
+    ("virtual-optimizer", dict(virtual_optimizer=2.0, swap_optimizer=True), ["--virtual-optimizer", "--swap-optimizer"]),
+    ("reuse-fp32-param", dict(reuse_fp32_param=True, bf16=True, swap_optimizer=True), ["--swap-optimizer"]),
+])
+def test_optimizer_state_features_refuse_in_one_line(feature, kw, names):
+    opts = argparse.Namespace(**kw)
+    assert get(feature).is_enabled(opts)
+    with pytest.raises(FeatureConfigError) as error:
+        get(feature).validate(opts)
+    assert "\n" not in str(error.value)
+    for name in names:
+        assert name in str(error.value), str(error.value)
+
+
+def test_virtual_optimizer_value_is_optional():
+    import math
+
+    from mm_adaptor.train import parse_args
+
+    assert parse_args(["--virtual-optimizer"]).virtual_optimizer == math.inf
+    assert parse_args(["--virtual-optimizer", "2.5", "--bf16"]).virtual_optimizer == 2.5
+    assert parse_args([]).virtual_optimizer is None

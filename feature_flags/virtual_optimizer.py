@@ -1,0 +1,50 @@
+"""--virtual-optimizer [GB]: Adam's moments in host memory the device addresses directly, updated in place by the
+device's Adam; with GB, at most that much per rank (the rest stays on the device)."""
+
+import math
+
+from mm_adaptor.features import Feature, FeatureConfigError, Flag, Tolerance, register
+
+MAIN = "--virtual-optimizer"
+
+
+@register
+class VirtualOptimizer(Feature):
+    name = "virtual-optimizer"
+    description = ("Adam's moments live in host memory mapped into the device's address space (CUDA: mapped pinned "
+                   "memory; NPU: torch_npu's swapped memory; CPU: host tensors), read and written in place by the "
+                   "device's Adam; GB: at most that much per rank, the rest stays on the device")
+    flags = (Flag(MAIN, description, type=float, default=None, value_optional=True, const=math.inf),)
+    tolerance = Tolerance(exact=True, why="the same Adam kernels update the same values, wherever the memory is")
+
+    def is_enabled(self, options) -> bool:
+        return getattr(options, "virtual_optimizer", None) is not None
+
+    def validate(self, options):
+        from mm_adaptor.feature_flags.swap_optimizer import state_owner_refusal
+
+        budget = getattr(options, "virtual_optimizer", None)
+        refusal = (f"{MAIN} {budget:g} is negative: give the GB of moments per rank to keep in host memory "
+                   f"(or no value for all)" if budget is not None and budget < 0 else
+                   state_owner_refusal(options, MAIN, (("--swap-optimizer", "swap_optimizer"),)))
+        if refusal:
+            raise FeatureConfigError(refusal)
+
+    def patch_sets(self, options):
+        from mm_adaptor.patches.optimizer import reuse_fp32_param as reuse
+        from mm_adaptor.patches.optimizer import virtual_optimizer as virtual
+        from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+
+        budget = getattr(options, "virtual_optimizer")
+        self.patches = virtual.Patches(budget_bytes=budget * 1e9)
+        contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
+        ps = PatchSet(self.name)
+        for target in (*reuse.INITS, f"{reuse.OPTIMIZER}.FP32Optimizer.__init__"):
+            ps.wrap(target, self.patches.init, contract=contract)
+        for target in (reuse.STEP, f"{reuse.OPTIMIZER}.FP32Optimizer.step_with_ready_grads"):
+            ps.wrap(target, self.patches.step_with_ready_grads, contract=contract)
+        return [ps]
+
+    def statistics(self):
+        patches = getattr(self, "patches", None)
+        return patches.statistics() if patches is not None else None

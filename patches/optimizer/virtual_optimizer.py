@@ -1,0 +1,119 @@
+"""--virtual-optimizer [GB]: Adam's moments live in host memory mapped into the device's address space
+(ops.host_mapped_copy), read and written in place by the device's own Adam: no copy code in the step.
+
+The moments appear at the first step; that step runs over batches of parameters (batched_step) and each batch's
+new moments move to mapped memory right after their update, so they are never all on the device at once. With a
+budget, moments go to host memory until it is full and the rest stay on the device. A moment replaced later (a
+checkpoint load makes new tensors) is placed again before the next step."""
+
+from __future__ import annotations
+
+import torch
+
+from mm_adaptor.memory import STATE_HOLDER
+from mm_adaptor.patches.optimizer.batched_step import batches_by_bytes, step_in_batches
+
+FIRST_STEP_BATCH_BYTES = 256 * 2**20
+
+
+class VirtualMoments:
+    def __init__(self, optimizer, *, budget_bytes: float, place=None):
+        from mm_adaptor.ops import host_mapped_copy
+
+        self.inner = optimizer.optimizer
+        self.params = [p for group in self.inner.param_groups for p in group["params"]]
+        self.budget_bytes = budget_bytes
+        self.place = place or host_mapped_copy
+        self.mapped: dict[int, torch.Tensor] = {}  # id -> the mapped moment (kept alive here for the check)
+        self.host_bytes = 0
+        self.steps = 0
+
+    def _moments(self, p):
+        state = self.inner.state.get(p, {})
+        return [(k, v) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+    def _place(self, params) -> None:
+        for p in params:
+            for key, moment in self._moments(p):
+                if id(moment) in self.mapped:
+                    continue
+                nbytes = moment.numel() * moment.element_size()
+                if self.host_bytes + nbytes > self.budget_bytes:
+                    continue
+                mapped = self.place(moment.detach())
+                self.inner.state[p][key] = mapped
+                self.mapped[id(mapped)] = mapped
+                self.host_bytes += nbytes
+
+    def _forget_replaced(self) -> None:
+        current = {id(v) for p in self.params for _, v in self._moments(p)}
+        for gone in [i for i in self.mapped if i not in current]:
+            moment = self.mapped.pop(gone)
+            self.host_bytes -= moment.numel() * moment.element_size()
+
+    def needs_batched_step(self) -> bool:
+        return any(not self._moments(p) for p in self.params)
+
+    @torch.no_grad()
+    def step(self, inner_step) -> None:
+        """inner_step: the inner optimizer's own step (the device's Adam on moments wherever they are)."""
+        self._forget_replaced()
+        self._place(self.params)
+        if self.needs_batched_step():
+            batches = [[self.params[i] for i in b] for b in batches_by_bytes(self.params, FIRST_STEP_BATCH_BYTES, 8)]
+            step_in_batches(self.inner, batches, lambda n: None, lambda n: self._place(batches[n]))
+        else:
+            inner_step()
+        self.steps += 1
+
+    def state_tensors(self):
+        return [("optimizer_moment_bytes", "host", m) for m in self.mapped.values()]
+
+    def statistics(self) -> dict:
+        return {"steps": self.steps, "moment_bytes_in_host_memory": self.host_bytes}
+
+
+class _InnerStepThrough:
+    """Stands in for the inner optimizer while megatron's step_with_ready_grads runs: its step() goes through
+    VirtualMoments; everything else is the inner optimizer's."""
+
+    def __init__(self, inner, moments: VirtualMoments):
+        self._inner, self._moments = inner, moments
+
+    def step(self, *args, **kwargs):
+        self._moments.step(lambda: self._inner.step(*args, **kwargs))
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class Patches:
+    def __init__(self, **options):
+        self.options = options
+        self.attached: list[VirtualMoments] = []
+
+    def init(self, wrapped, instance, args, kwargs):
+        wrapped(*args, **kwargs)
+        if getattr(instance, "is_stub_optimizer", False) or getattr(instance, "optimizer", None) is None:
+            return
+        moments = VirtualMoments(instance, **self.options)
+        setattr(instance, STATE_HOLDER, moments)
+        self.attached.append(moments)
+
+    @staticmethod
+    def step_with_ready_grads(wrapped, instance, args, kwargs):
+        moments = getattr(instance, STATE_HOLDER, None)
+        if moments is None:
+            return wrapped(*args, **kwargs)
+        inner = instance.optimizer
+        instance.optimizer = _InnerStepThrough(inner, moments)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            instance.optimizer = inner
+
+    def statistics(self) -> dict | None:
+        if not self.attached:
+            return None
+        return {"steps": max(m.steps for m in self.attached),
+                "moment_bytes_in_host_memory": sum(m.host_bytes for m in self.attached)}
