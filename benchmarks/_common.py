@@ -76,3 +76,32 @@ def print_table_header(setup: str, columns: list[str]) -> None:
 def print_columns(columns: list[str]) -> None:
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns), flush=True)
+
+
+def llama_like_driver_options(args, *extra: str):
+    """The training driver's options, on one rank, for a Llama-like model shaped by args (layers, hidden, ffn,
+    heads, seq, micro_batch): SwiGLU, RMSNorm, RoPE, no bias; `extra` flags after them."""
+    from mm_adaptor.train.arguments import build_parser, finalize_args
+
+    argv = ["--num-layers", str(args.layers), "--hidden-size", str(args.hidden), "--ffn-hidden-size", str(args.ffn),
+            "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq), "--micro-batch-size",
+            str(args.micro_batch), "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+            "--disable-bias-linear", "--nproc-per-node", "1", *extra]
+    parsed = build_parser().parse_args(argv)
+    finalize_args(parsed, 1)
+    return parsed
+
+
+def init_single_rank(dist_backend: str) -> None:
+    """A one-rank process group and megatron's model-parallel state (all sizes 1)."""
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from mm_adaptor.launcher import free_port
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    dist.init_process_group(dist_backend, rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from _common import device_name
+from _common import device_name, init_single_rank, llama_like_driver_options
 
 CONFIGS = {
     "unpatched": [],
@@ -56,16 +56,8 @@ def parse_args(argv=None):
 
 
 def driver_args(args, flags):
-    from mm_adaptor.train.arguments import build_parser, finalize_args
-
-    argv = ["--num-layers", str(args.layers), "--hidden-size", str(args.hidden), "--ffn-hidden-size", str(args.ffn),
-            "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq), "--micro-batch-size",
-            str(args.micro_batch), "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-            "--disable-bias-linear", "--nproc-per-node", "1", *(["--bf16"] if args.dtype == "bfloat16" else []),
-            *([] if args.unfused else FUSED), *flags]
-    parsed = build_parser().parse_args(argv)
-    finalize_args(parsed, 1)
-    return parsed
+    return llama_like_driver_options(args, *(["--bf16"] if args.dtype == "bfloat16" else []),
+                                     *([] if args.unfused else FUSED), *flags)
 
 
 class ResidentPeak:
@@ -166,12 +158,7 @@ def main(argv=None):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from mm_adaptor.launcher import free_port
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo" if device.type == "cpu" else "nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
+    init_single_rank("gloo" if device.type == "cpu" else "nccl")
     print(f"# {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, {args.heads} heads, seq {args.seq}, "
           f"micro-batch {args.micro_batch}, {args.dtype}, {'unfused' if args.unfused else 'fused kernels'}; "
           f"{device_name(args.device)}; median of {args.steps} steps after {args.warmup} warm-up", flush=True)

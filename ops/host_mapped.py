@@ -33,6 +33,10 @@ SPECS = register(
 
 
 def host_mapped_copy(src: torch.Tensor) -> torch.Tensor:
-    """`src`'s values in host memory the device addresses directly (a tensor on src's device)."""
-    ensure(src.device.type)
+    """`src`'s values in host memory the device addresses directly (a tensor on src's device). On CUDA the
+    reference would be an ordinary device copy, so there a missing native build is an error, not a fallback."""
+    state = ensure(src.device.type)
+    if src.device.type == "cuda" and not state["native"]:
+        raise RuntimeError(f"host memory mapped into the GPU needs the native CUDA ops, which are unavailable here "
+                           f"({state['why']}); build them with `mm-adaptor build-ops --device cuda`")
     return op("host_mapped_copy")(src)

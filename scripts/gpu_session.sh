@@ -6,11 +6,13 @@
 #   bash scripts/gpu_session.sh e2e [OUTPUT_DIR]  Megatron-LM's pretrain_gpt.py unpatched vs each fused flag
 #   bash scripts/gpu_session.sh activation [OUTPUT_DIR]  one-GPU check of recompute and swap attention, and the
 #                                                 Llama-2-7B-layer activation memory benchmark (issue 13)
+#   bash scripts/gpu_session.sh optimizer [OUTPUT_DIR]  one-GPU checks of the optimizer-state features (the CUDA
+#                                                 host_mapped_copy op built first) and the 1B benchmark (issue 14)
 # Wheels the machine lacks and a trimmed Megatron-LM come from .whl/ and .mlm/, which
 # scripts/gpu_session_prepare.sh fills on the host (carry both).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: gpu_session.sh ops|e2e|activation [OUTPUT_DIR]}
+part=${1:?usage: gpu_session.sh ops|e2e|activation|optimizer [OUTPUT_DIR]}
 out=${2:-${OUT:-gpu-results}}
 mkdir -p "$out"
 site=/tmp/mm-adaptor-site
@@ -47,6 +49,15 @@ if [ "$part" = activation ]; then
         --recompute-activation-function --use-fused-swiglu --use-flash-attn --bf16 "${model[@]}"
     run activation_bench python3 benchmarks/activation_memory.py --device cuda
     run activation_bench_unfused python3 benchmarks/activation_memory.py --device cuda --unfused --seq 2048
+    exit $status
+fi
+if [ "$part" = optimizer ]; then
+    run build python3 -m mm_adaptor.cli build-ops --device cuda
+    for flags in "--reuse-fp32-param --bf16" "--swap-optimizer --use-distributed-optimizer --bf16" \
+                 "--swap-optimizer --use-distributed-optimizer" "--virtual-optimizer --bf16" "--virtual-optimizer"; do
+        run "check_${flags// /_}" python3 -m mm_adaptor.cli check --layout single $flags
+    done
+    run optimizer_bench python3 benchmarks/optimizer_memory.py --device cuda
     exit $status
 fi
 run report python3 -m mm_adaptor.cli report

@@ -119,7 +119,9 @@ def wrap_model(args, config, chunks):
     return wrapped
 
 
-def build_optimizer(args, config, model):
+def build_optimizer(args, config, model, **optimizer_config):
+    """Megatron's optimizer and scheduler; optimizer_config: further OptimizerConfig fields (benchmarks compare
+    e.g. optimizer_cpu_offload)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -128,7 +130,7 @@ def build_optimizer(args, config, model):
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16, params_dtype=config.params_dtype,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        loss_scale=None, initial_loss_scale=2.0**16 if args.fp16 else None,
+        loss_scale=None, initial_loss_scale=2.0**16 if args.fp16 else None, **optimizer_config,
     )
     optimizer = get_megatron_optimizer(opt_config, model)
     decay_iters = max(1, args.train_iters)

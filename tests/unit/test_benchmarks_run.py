@@ -164,3 +164,14 @@ def test_activation_memory_benchmark_moves_and_drops_bytes():
     assert device("recompute activation") < device("unpatched") and host("recompute activation") == 0, stdout
     assert host("swap attention") > 0 and device("swap attention") < device("unpatched"), stdout
     assert device("both") < device("swap attention"), stdout
+
+
+def test_optimizer_memory_benchmark_moves_optimizer_state():
+    stdout = run_script("optimizer_memory.py", "--device", "cpu", "--layers", "1", "--hidden", "128", "--ffn", "344",
+                        "--heads", "2", "--vocab", "512", "--seq", "32", "--steps", "1", "--warmup", "1",
+                        "--configs", "unpatched,swap-optimizer")  # each configuration is a fresh process
+    header, rows = table_rows(stdout)
+    assert "optimizer step ms" in header and "in host memory GiB" in header, stdout
+    by_name = {row[0]: row for row in rows}
+    assert list(by_name) == ["unpatched", "swap-optimizer"], stdout
+    assert "GB copied per step" in stdout and "GB/s over the optimizer step" in stdout, stdout
