@@ -1,0 +1,64 @@
+"""--swap-optimizer's state machine on the CPU backend: between steps the main parameters and moments are their host
+copies; the step fetches batch n + 1 before updating batch n, and gives the plain optimizer's values bit for bit."""
+
+import pytest
+import torch
+
+from mm_adaptor import devices
+from mm_adaptor.patches.optimizer.swap_optimizer import SwappedOptimizerState
+
+
+class MegatronShell:
+    """What SwappedOptimizerState reads from a DistributedOptimizer."""
+
+    def __init__(self, mains, models, inner):
+        self.optimizer = inner
+        self.shard_fp32_from_float16_groups, self.shard_float16_groups = [mains], [models]
+
+
+def shards(seed):
+    g = torch.Generator().manual_seed(seed)
+    models = [torch.randn(s, generator=g).to(torch.bfloat16) for s in [(32, 16), (100,), (8, 8)]]
+    return models, [m.float().requires_grad_(True) for m in models]
+
+
+@pytest.mark.parametrize("budget_bytes", [1, 2**30], ids=["one-param-batches", "one-batch"])
+def test_swapped_step_matches_the_plain_optimizer(budget_bytes):
+    models_ref, mains_ref = shards(0)
+    models, mains = shards(0)
+    ref = torch.optim.AdamW(mains_ref, lr=1e-2)
+    state = SwappedOptimizerState(MegatronShell(mains, models, torch.optim.AdamW(mains, lr=1e-2)),
+                                  budget_bytes=budget_bytes, backend=devices.make("cpu"))
+    order = []
+    fetch, inner_step = state._to_device, state.inner.step
+    state._to_device = lambda tensors: (order.append(("fetch", len(tensors))), fetch(tensors))[1]
+    state.inner.step = lambda: (order.append(("update", sum(len(g["params"]) for g in state.inner.param_groups))),
+                                inner_step())[1]
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        state.release_mains_for_grads()
+        for a, b in zip(mains_ref, mains):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        ref.step()
+        for model, main in zip(models_ref, mains_ref):
+            model.copy_(main.detach())
+        order.clear()
+        state.step()
+        state.mains_back_to_host()
+        for a, b in zip(models_ref, models):
+            assert torch.equal(a, b)
+        for a, b in zip(mains_ref, mains):
+            assert torch.equal(a, b)
+            assert torch.equal(ref.state[a]["exp_avg_sq"], state.inner.state[b]["exp_avg_sq"])
+        homes = {id(t): t.data_ptr() for p in mains for t in state._swapped(p)}
+        if step:
+            assert homes == previous_homes, "each tensor goes back to the same host buffer every step"
+        previous_homes = homes
+    n = len(mains) if budget_bytes == 1 else 1
+    assert [kind for kind, _ in order] == ["fetch"] + ["fetch", "update"] * (n - 1) + ["update"], \
+        "batch n + 1 is on its way before batch n is updated"
+    elements = sum(m.numel() for m in mains)
+    assert state.statistics()["bytes_to_host"] == 3 * 12 * elements  # main + two moments, every step
+    # the first step fetches the main parameters only: Adam makes the moments on the device
+    assert state.statistics()["bytes_to_device"] == 4 * elements + 2 * 12 * elements
