@@ -1,12 +1,13 @@
-"""--reuse-fp32-param against unpatched Megatron: bit-for-bit in TP2, PP2, DP2 with the distributed optimizer (and
+"""--reuse-fp32-param against unpatched Megatron: bit-for-bit in TP2, DP2 with the distributed optimizer (and
 --overlap-param-gather) and EP2 MoE, bf16, with the main-parameter bytes to the byte; checkpoints saved with the
 feature load without it and the other way round, continuing exactly as an uninterrupted run; a split that drops
 the low bits fails the harness."""
 
 import pytest
 
-from mm_adaptor import harness, train
-from mm_adaptor.harness import LAYOUTS
+from checkpoint_directions import assert_checkpoints_load_both_ways
+
+from mm_adaptor import harness
 
 pytestmark = pytest.mark.distributed
 
@@ -33,7 +34,7 @@ def assert_main_params_to_the_byte(result):
     assert stats["steps"] == 4
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "ep2-moe"])
+@pytest.mark.parametrize("layout", ["tp2", "ep2-moe"])  # every layout: RESULTS.md, `check --layout all`
 def test_bit_for_bit_with_the_bytes_predicted(layout):
     assert_main_params_to_the_byte(check(layout))
 
@@ -55,21 +56,6 @@ def test_dropping_the_low_bits_fails():
     assert result.params.failures
 
 
-def losses(layout, extra, iters):
-    args = train.parse_args([*LAYOUTS[layout], "--bf16", *extra, "--train-iters", str(iters),
-                             "--nproc-per-node", "2", "--timeout", "300", "--silent"])
-    return train.run(args).losses
-
-
 @pytest.mark.parametrize("layout", ["tp2", "dp2-distopt"])
 def test_checkpoints_load_both_ways(tmp_path, layout):
-    """Saved at step 2 with and without the feature; each loaded with and without it trains steps 3-4 exactly as
-    the uninterrupted unpatched run."""
-    straight = losses(layout, [], 4)
-    for saved_with in ([FLAG], []):
-        ckpt = tmp_path / f"saved-{'with' if saved_with else 'without'}"
-        assert losses(layout, [*saved_with, "--save", str(ckpt)], 2) == straight[:2]
-        for loaded_with in ([FLAG], []):
-            if saved_with or loaded_with:  # without both ways is the driver's own resume test
-                resumed = losses(layout, [*loaded_with, "--load", str(ckpt)], 4)
-                assert resumed == straight[2:], (saved_with, loaded_with, resumed, straight)
+    assert_checkpoints_load_both_ways(tmp_path, layout, [FLAG], ["--bf16"])
