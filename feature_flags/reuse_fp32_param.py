@@ -1,7 +1,8 @@
 """--reuse-fp32-param: in a bf16 run, each fp32 main parameter is kept as the model's own bf16 value plus a 2-byte
 residual, not as a separate 4-byte copy; restored exactly, a batch at a time, for the optimizer step."""
 
-from mm_adaptor.features import Feature, Flag, FeatureConfigError, Tolerance, register
+from mm_adaptor.feature_flags._optimizer_state import OptimizerStateFeature, budget_refusal, state_owner_refusal
+from mm_adaptor.features import FeatureConfigError, Flag, Tolerance, register
 
 MAIN = "--reuse-fp32-param"
 BUDGET = "--reuse-fp32-param-batch-mb"
@@ -9,7 +10,7 @@ DEFAULT_BUDGET_MB = 256
 
 
 @register
-class ReuseFp32Param(Feature):
+class ReuseFp32Param(OptimizerStateFeature):
     name = "reuse-fp32-param"
     description = ("bf16 runs: the fp32 main parameters are kept as the model's bf16 parameters (their high halves) "
                    "plus 2-byte residuals, saving 2 bytes per main-parameter element; the optimizer step restores "
@@ -38,9 +39,6 @@ class ReuseFp32Param(Feature):
         self.patches = reuse.Patches(budget_bytes=(budget or DEFAULT_BUDGET_MB) * 2**20)
         return [patch_set(self.name, self.patches)]
 
-    def statistics(self):
-        patches = getattr(self, "patches", None)
-        return patches.statistics() if patches is not None else None
 
 
 def patch_set(name: str, patches):
@@ -61,8 +59,6 @@ def patch_set(name: str, patches):
 
 def refusal_for(options) -> str | None:
     """One line naming the flags that cannot work together, or None."""
-    from mm_adaptor.feature_flags.swap_optimizer import budget_refusal, state_owner_refusal
-
     refusal = budget_refusal(options, "reuse_fp32_param", MAIN, BUDGET)
     if refusal:
         return refusal

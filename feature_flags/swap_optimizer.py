@@ -1,19 +1,16 @@
 """--swap-optimizer [--swap-optimizer-batch-mb N]: the distributed optimizer's fp32 main-parameter shards and Adam's
 moments wait in pinned host memory between steps; the step streams them through the device in batches."""
 
-from mm_adaptor.features import Feature, FeatureConfigError, Flag, Tolerance, register
+from mm_adaptor.feature_flags._optimizer_state import OptimizerStateFeature, budget_refusal, state_owner_refusal
+from mm_adaptor.features import FeatureConfigError, Flag, Tolerance, register
 
 MAIN = "--swap-optimizer"
 BUDGET = "--swap-optimizer-batch-mb"
 DEFAULT_BUDGET_MB = 256
-# Megatron flags (and ours) that also decide where the main parameters or moments live.
-OWNERS_OF_OPTIMIZER_STATE = (("--use-precision-aware-optimizer", "use_precision_aware_optimizer"),
-                             ("--optimizer-cpu-offload", "optimizer_cpu_offload"),
-                             ("--use-torch-fsdp2", "use_torch_fsdp2"), ("--use-megatron-fsdp", "use_megatron_fsdp"))
 
 
 @register
-class SwapOptimizer(Feature):
+class SwapOptimizer(OptimizerStateFeature):
     name = "swap-optimizer"
     description = ("the distributed optimizer's fp32 main-parameter shards (bf16 and fp16 runs) and Adam's moments "
                    "stay in pinned host memory between steps; the step copies batches to the device on one stream "
@@ -42,9 +39,6 @@ class SwapOptimizer(Feature):
         self.patches = swap.Patches(budget_bytes=(budget or DEFAULT_BUDGET_MB) * 2**20)
         return [patch_set(self.name, self.patches)]
 
-    def statistics(self):
-        patches = getattr(self, "patches", None)
-        return patches.statistics() if patches is not None else None
 
 
 def patch_set(name: str, patches):
@@ -57,24 +51,6 @@ def patch_set(name: str, patches):
     ps.wrap(f"{reuse.OPTIMIZER}.MixedPrecisionOptimizer.prepare_grads", patches.prepare_grads, contract=contract)
     ps.wrap(reuse.STEP, patches.step_with_ready_grads, contract=contract)
     return ps
-
-
-def budget_refusal(options, main_dest: str, main_flag: str, budget_flag: str) -> str | None:
-    """The batch-size flag of an optimizer-state feature: only with its feature, and at least 1 MiB."""
-    budget = getattr(options, budget_flag.lstrip("-").replace("-", "_"), None)
-    if budget is not None and not getattr(options, main_dest, False):
-        return f"{budget_flag} needs {main_flag}: add {main_flag} or drop {budget_flag}"
-    if budget is not None and budget < 1:
-        return f"{budget_flag} {budget} is below 1: give the MiB of optimizer state the step handles at once"
-    return None
-
-
-def state_owner_refusal(options, main_flag: str, others: tuple = ()) -> str | None:
-    """A flag that also decides where the main parameters or moments live."""
-    for flag, dest in (*OWNERS_OF_OPTIMIZER_STATE, *others):
-        if getattr(options, dest, None):
-            return f"{main_flag} and {flag} both decide where the optimizer's state lives: keep one"
-    return None
 
 
 def refusal_for(options) -> str | None:

@@ -3,13 +3,14 @@ device's Adam; with GB, at most that much per rank (the rest stays on the device
 
 import math
 
-from mm_adaptor.features import Feature, FeatureConfigError, Flag, Tolerance, register
+from mm_adaptor.feature_flags._optimizer_state import OptimizerStateFeature, state_owner_refusal
+from mm_adaptor.features import FeatureConfigError, Flag, Tolerance, register
 
 MAIN = "--virtual-optimizer"
 
 
 @register
-class VirtualOptimizer(Feature):
+class VirtualOptimizer(OptimizerStateFeature):
     name = "virtual-optimizer"
     description = ("Adam's moments live in host memory mapped into the device's address space (CUDA: mapped pinned "
                    "memory; NPU: torch_npu's swapped memory; CPU: host tensors), read and written in place by the "
@@ -21,8 +22,6 @@ class VirtualOptimizer(Feature):
         return getattr(options, "virtual_optimizer", None) is not None
 
     def validate(self, options):
-        from mm_adaptor.feature_flags.swap_optimizer import state_owner_refusal
-
         budget = getattr(options, "virtual_optimizer", None)
         refusal = (f"{MAIN} {budget:g} is negative: give the GB of moments per rank to keep in host memory "
                    f"(or no value for all)" if budget is not None and budget < 0 else
@@ -44,7 +43,3 @@ class VirtualOptimizer(Feature):
         for target in (reuse.STEP, f"{reuse.OPTIMIZER}.FP32Optimizer.step_with_ready_grads"):
             ps.wrap(target, self.patches.step_with_ready_grads, contract=contract)
         return [ps]
-
-    def statistics(self):
-        patches = getattr(self, "patches", None)
-        return patches.statistics() if patches is not None else None

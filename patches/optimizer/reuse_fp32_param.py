@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mm_adaptor.memory import STATE_HOLDER
-from mm_adaptor.patches.optimizer.batched_step import batches_by_bytes, step_in_batches
+from mm_adaptor.patches.optimizer.batched_step import HolderPatches, batches_by_bytes, state_holder, step_in_batches
 
 SLICE = 1 << 22  # elements per codec pass: bounds its int64 temporaries to 32 MiB each
 INT16_MIN, INT16_MAX = -(1 << 15), (1 << 15) - 1
@@ -131,10 +130,6 @@ class ReusedMainParams:
                 "batches_per_step": len(self.batches()), "steps": self.steps}
 
 
-def holder(optimizer) -> ReusedMainParams | None:
-    return getattr(optimizer, STATE_HOLDER, None)
-
-
 def main_and_model_pairs(optimizer):
     """(fp32 main, bf16 model values it rounds into) of a Float16OptimizerWithFloat16Params or a
     DistributedOptimizer (there: this rank's shard of each parameter, inside the DDP parameter buffer)."""
@@ -145,25 +140,19 @@ def main_and_model_pairs(optimizer):
     return [pair for main_group, model_group in zip(mains, models) for pair in zip(main_group, model_group)]
 
 
-class Patches:
+class Patches(HolderPatches):
     """The wrappers that keep an optimizer's main parameters as residuals; `options`: what ReusedMainParams
     takes besides the pairs (budget_bytes, keep_low_bits)."""
-
-    def __init__(self, **options):
-        self.options = options
-        self.attached: list[ReusedMainParams] = []
 
     def init(self, wrapped, instance, args, kwargs):
         wrapped(*args, **kwargs)
         if getattr(instance, "is_stub_optimizer", False) or not instance.config.bf16:
             return
-        reused = ReusedMainParams(main_and_model_pairs(instance), instance.optimizer, **self.options)
-        setattr(instance, STATE_HOLDER, reused)
-        self.attached.append(reused)
+        self.attach(instance, ReusedMainParams(main_and_model_pairs(instance), instance.optimizer, **self.options))
 
     @staticmethod
     def step_with_ready_grads(wrapped, instance, args, kwargs):
-        reused = holder(instance)
+        reused = state_holder(instance)
         if reused is None:
             return wrapped(*args, **kwargs)
         reused.step()  # megatron's inner step and main-to-model copy, batch by batch
@@ -172,26 +161,18 @@ class Patches:
     @staticmethod
     def whole_meanwhile(wrapped, instance, args, kwargs):
         """For methods that read or write main parameters: they find them whole (split at the next zero_grad)."""
-        reused = holder(instance)
+        reused = state_holder(instance)
         if reused is not None:
             reused.join_all()
         return wrapped(*args, **kwargs)
 
     @staticmethod
     def zero_grad(wrapped, instance, args, kwargs):
-        reused = holder(instance)
+        reused = state_holder(instance)
         if reused is not None:
             reused.split_all()
         return wrapped(*args, **kwargs)
 
-    def statistics(self) -> dict | None:
-        if not self.attached:
-            return None
-        totals: dict = {}
-        for reused in self.attached:
-            for key, value in reused.statistics().items():
-                totals[key] = max(totals.get(key, 0), value) if key == "steps" else totals.get(key, 0) + value
-        return totals
 
 
 OPTIMIZER = "megatron.core.optimizer.optimizer"

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mm_adaptor.memory import STATE_HOLDER
-from mm_adaptor.patches.optimizer.batched_step import batches_by_bytes, step_in_batches
+from mm_adaptor.patches.optimizer.batched_step import HolderPatches, batches_by_bytes, state_holder, step_in_batches
 from mm_adaptor.patches.optimizer.reuse_fp32_param import main_and_model_pairs
 
 ADAM_BYTES_PER_ELEMENT = 12  # fp32 main parameter and two fp32 moments
@@ -148,14 +147,13 @@ class SwappedOptimizerState:
                 "bytes_to_device": self.bytes_to_device, "bytes_to_host": self.bytes_to_host}
 
 
-class Patches:
+class Patches(HolderPatches):
     """The wrappers that keep an optimizer's main parameters and moments in host memory; `options`: what
     SwappedOptimizerState takes besides the optimizer (budget_bytes); `state_class` for the harness's self-test."""
 
     def __init__(self, state_class=SwappedOptimizerState, **options):
+        super().__init__(**options)
         self.state_class = state_class
-        self.options = options
-        self.attached: list = []
 
     def init(self, wrapped, instance, args, kwargs):
         from mm_adaptor import devices
@@ -163,13 +161,11 @@ class Patches:
         wrapped(*args, **kwargs)
         if getattr(instance, "is_stub_optimizer", False):
             return
-        state = self.state_class(instance, backend=devices.current_or_chosen(), **self.options)
-        setattr(instance, STATE_HOLDER, state)
-        self.attached.append(state)
+        self.attach(instance, self.state_class(instance, backend=devices.current_or_chosen(), **self.options))
 
     @staticmethod
     def prepare_grads(wrapped, instance, args, kwargs):
-        state = getattr(instance, STATE_HOLDER, None)
+        state = state_holder(instance)
         if state is None:
             return wrapped(*args, **kwargs)
         state.release_mains_for_grads()
@@ -180,18 +176,10 @@ class Patches:
 
     @staticmethod
     def step_with_ready_grads(wrapped, instance, args, kwargs):
-        state = getattr(instance, STATE_HOLDER, None)
+        state = state_holder(instance)
         if state is None:
             return wrapped(*args, **kwargs)
         state.step()
         state.mains_back_to_host()
         return True
 
-    def statistics(self) -> dict | None:
-        if not self.attached:
-            return None
-        totals: dict = {}
-        for state in self.attached:
-            for key, value in state.statistics().items():
-                totals[key] = max(totals.get(key, 0), value) if key == "steps" else totals.get(key, 0) + value
-        return totals

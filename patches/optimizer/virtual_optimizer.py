@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mm_adaptor.memory import STATE_HOLDER
-from mm_adaptor.patches.optimizer.batched_step import batches_by_bytes, step_in_batches
+from mm_adaptor.patches.optimizer.batched_step import HolderPatches, batches_by_bytes, state_holder, step_in_batches
 
 FIRST_STEP_BATCH_BYTES = 256 * 2**20
 
@@ -87,22 +86,16 @@ class _InnerStepThrough:
         return getattr(self._inner, name)
 
 
-class Patches:
-    def __init__(self, **options):
-        self.options = options
-        self.attached: list[VirtualMoments] = []
-
+class Patches(HolderPatches):
     def init(self, wrapped, instance, args, kwargs):
         wrapped(*args, **kwargs)
         if getattr(instance, "is_stub_optimizer", False) or getattr(instance, "optimizer", None) is None:
             return
-        moments = VirtualMoments(instance, **self.options)
-        setattr(instance, STATE_HOLDER, moments)
-        self.attached.append(moments)
+        self.attach(instance, VirtualMoments(instance, **self.options))
 
     @staticmethod
     def step_with_ready_grads(wrapped, instance, args, kwargs):
-        moments = getattr(instance, STATE_HOLDER, None)
+        moments = state_holder(instance)
         if moments is None:
             return wrapped(*args, **kwargs)
         inner = instance.optimizer
@@ -111,9 +104,3 @@ class Patches:
             return wrapped(*args, **kwargs)
         finally:
             instance.optimizer = inner
-
-    def statistics(self) -> dict | None:
-        if not self.attached:
-            return None
-        return {"steps": max(m.steps for m in self.attached),
-                "moment_bytes_in_host_memory": sum(m.host_bytes for m in self.attached)}

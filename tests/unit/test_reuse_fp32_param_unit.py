@@ -6,7 +6,8 @@ import argparse
 import pytest
 import torch
 
-from mm_adaptor.features import FeatureConfigError, get
+from refusals import assert_refused_in_one_line
+
 from mm_adaptor.patches.optimizer.reuse_fp32_param import ReusedMainParams, join_words, split_words
 
 
@@ -25,15 +26,7 @@ def options(**kw):
     (dict(optimizer_cpu_offload=True), ["--optimizer-cpu-offload"]),
 ])
 def test_refusals_are_one_line_naming_the_flags(kw, names):
-    feature = get("reuse-fp32-param")
-    opts = options(**kw)
-    assert feature.is_enabled(opts)
-    with pytest.raises(FeatureConfigError) as error:
-        feature.validate(opts)
-    message = str(error.value)
-    assert "\n" not in message
-    for name in names:
-        assert name in message, message
+    assert_refused_in_one_line("reuse-fp32-param", options(**kw), names)
 
 
 def every_kind_of_word():
@@ -149,13 +142,7 @@ def test_batched_step_matches_the_plain_optimizer_bit_for_bit(budget_bytes):
     ("reuse-fp32-param", dict(reuse_fp32_param=True, bf16=True, swap_optimizer=True), ["--swap-optimizer"]),
 ])
 def test_optimizer_state_features_refuse_in_one_line(feature, kw, names):
-    opts = argparse.Namespace(**kw)
-    assert get(feature).is_enabled(opts)
-    with pytest.raises(FeatureConfigError) as error:
-        get(feature).validate(opts)
-    assert "\n" not in str(error.value)
-    for name in names:
-        assert name in str(error.value), str(error.value)
+    assert_refused_in_one_line(feature, argparse.Namespace(**kw), names)
 
 
 def test_virtual_optimizer_value_is_optional():

@@ -1,0 +1,36 @@
+"""What the optimizer-state features (--reuse-fp32-param, --swap-optimizer, --virtual-optimizer) share: their
+refusals and a feature base that reports its wrappers' statistics. Not a feature module (the leading underscore
+keeps discovery away)."""
+
+from mm_adaptor.features import Feature
+
+# Megatron flags (and ours) that also decide where the main parameters or moments live.
+OWNERS_OF_OPTIMIZER_STATE = (("--use-precision-aware-optimizer", "use_precision_aware_optimizer"),
+                             ("--optimizer-cpu-offload", "optimizer_cpu_offload"),
+                             ("--use-torch-fsdp2", "use_torch_fsdp2"), ("--use-megatron-fsdp", "use_megatron_fsdp"))
+
+
+class OptimizerStateFeature(Feature):
+    """A feature whose patch_sets() keeps its wrappers (a patches.optimizer HolderPatches) in self.patches."""
+
+    def statistics(self):
+        patches = getattr(self, "patches", None)
+        return patches.statistics() if patches is not None else None
+
+
+def budget_refusal(options, main_dest: str, main_flag: str, budget_flag: str) -> str | None:
+    """The batch-size flag of an optimizer-state feature: only with its feature, and at least 1 MiB."""
+    budget = getattr(options, budget_flag.lstrip("-").replace("-", "_"), None)
+    if budget is not None and not getattr(options, main_dest, False):
+        return f"{budget_flag} needs {main_flag}: add {main_flag} or drop {budget_flag}"
+    if budget is not None and budget < 1:
+        return f"{budget_flag} {budget} is below 1: give the MiB of optimizer state the step handles at once"
+    return None
+
+
+def state_owner_refusal(options, main_flag: str, others: tuple = ()) -> str | None:
+    """A flag that also decides where the main parameters or moments live."""
+    for flag, dest in (*OWNERS_OF_OPTIMIZER_STATE, *others):
+        if getattr(options, dest, None):
+            return f"{main_flag} and {flag} both decide where the optimizer's state lives: keep one"
+    return None
