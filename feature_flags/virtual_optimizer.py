@@ -30,16 +30,21 @@ class VirtualOptimizer(OptimizerStateFeature):
             raise FeatureConfigError(refusal)
 
     def patch_sets(self, options):
-        from mm_adaptor.patches.optimizer import reuse_fp32_param as reuse
         from mm_adaptor.patches.optimizer import virtual_optimizer as virtual
-        from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
-        budget = getattr(options, "virtual_optimizer")
-        self.patches = virtual.Patches(budget_bytes=budget * 1e9)
-        contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
-        ps = PatchSet(self.name)
-        for target in (*reuse.INITS, f"{reuse.OPTIMIZER}.FP32Optimizer.__init__"):
-            ps.wrap(target, self.patches.init, contract=contract)
-        for target in (reuse.STEP, f"{reuse.OPTIMIZER}.FP32Optimizer.step_with_ready_grads"):
-            ps.wrap(target, self.patches.step_with_ready_grads, contract=contract)
-        return [ps]
+        self.patches = virtual.Patches(budget_bytes=getattr(options, "virtual_optimizer") * 1e9)
+        return [patch_set(self.name, self.patches)]
+
+
+def patch_set(name: str, patches):
+    """The wraps that give `patches` every megatron optimizer (fp32 ones included) and their steps."""
+    from mm_adaptor.patches.optimizer import reuse_fp32_param as reuse
+    from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+
+    contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
+    ps = PatchSet(name)
+    for target in (*reuse.INITS, f"{reuse.OPTIMIZER}.FP32Optimizer.__init__"):
+        ps.wrap(target, patches.init, contract=contract)
+    for target in (reuse.STEP, f"{reuse.OPTIMIZER}.FP32Optimizer.step_with_ready_grads"):
+        ps.wrap(target, patches.step_with_ready_grads, contract=contract)
+    return ps

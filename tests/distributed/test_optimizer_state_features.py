@@ -1,6 +1,7 @@
 """--swap-optimizer and --virtual-optimizer against unpatched Megatron: bit-for-bit in fp32 and bf16 with the
 device and host rows to the byte; checkpoints saved with either load without it and the other way round,
-continuing exactly as an uninterrupted run; a swap that reuses a host buffer too early fails the harness."""
+continuing exactly as an uninterrupted run; a swap that reuses a host buffer too early and a move to host memory that loses the moments fail the
+harness, in fp32 and bf16."""
 
 import pytest
 
@@ -46,11 +47,17 @@ def test_swap_optimizer_ep2_moe_bf16_with_overlapped_param_gather():
     check(SWAP, "ep2-moe", ["--bf16", "--use-distributed-optimizer", "--overlap-param-gather"])
 
 
-def test_swap_optimizer_reusing_a_host_buffer_too_early_fails():
-    with harness.extra_feature_module("broken_swap_optimizer_feature"):
-        result = harness.compare(["--use-test-swap-optimizer-reusing-buffers"], layout="dp2-distopt",
-                                 extra_args=["--bf16"], iters=4)
+@pytest.mark.parametrize("module,flag,layout", [
+    ("broken_swap_optimizer_feature", "--use-test-swap-optimizer-reusing-buffers", "dp2-distopt"),
+    ("broken_virtual_optimizer_feature", "--use-test-virtual-optimizer-losing-moments", "tp2")],
+    ids=["swap-reusing-a-host-buffer-too-early", "virtual-losing-the-moments"])
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_a_wrong_variant_fails(module, flag, layout, precision):
+    """The unpatched runs are the checks' above (cached)."""
+    with harness.extra_feature_module(module):
+        result = harness.compare([flag], layout=layout, extra_args=precision, iters=4)
     assert not result.passed
+    assert result.params.failures
 
 
 @pytest.mark.parametrize("layout,extra", [("tp2", []), ("dp2-distopt", ["--bf16"])], ids=["tp2-fp32", "distopt-bf16"])
