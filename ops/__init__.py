@@ -1,7 +1,7 @@
 """Native ops: PyTorch custom operators in the `mm_adaptor` namespace, dispatched by the tensor's device.
 
 Each op has one module (rms_norm.py, swiglu.py, rotary_pos_emb.py, matmul_add.py, grouped_matmul.py,
-host_mapped.py) holding
+host_mapped.py, fp32_words.py) holding
 its schemas, fake implementations, autograd formula, plain-PyTorch reference and the kernel that serves each
 device: native CPU (C++) and CUDA (.cu) kernels, torch_npu on the NPU; `library` registers them. Kernels are
 built just in time on first use (or ahead of time with `mm-adaptor build-ops`); where no build is possible
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from mm_adaptor.ops import library
 from mm_adaptor.ops.attention import flash_attention
+from mm_adaptor.ops.fp32_words import join_fp32_words, split_fp32_words
 from mm_adaptor.ops.grouped_matmul import grouped_matmul
 from mm_adaptor.ops.host_mapped import host_mapped_copy
 from mm_adaptor.ops.matmul_add import matmul_add_fp32
@@ -20,10 +21,10 @@ from mm_adaptor.ops.rotary_pos_emb import rotary_pos_emb
 from mm_adaptor.ops.swiglu import swiglu
 
 __all__ = ["rms_norm", "swiglu", "rotary_pos_emb", "matmul_add_fp32", "grouped_matmul", "flash_attention",
-           "host_mapped_copy", "status", "build"]
+           "host_mapped_copy", "split_fp32_words", "join_fp32_words", "status", "build"]
 
 OP_NAMES = ("rms_norm", "swiglu", "rotary_pos_emb", "matmul_add_fp32", "grouped_matmul", "flash_attention",
-            "host_mapped_copy")
+            "host_mapped_copy", "split_fp32_words", "join_fp32_words")
 
 
 def build(device: str = "cpu", verbose: bool = True):

@@ -16,40 +16,17 @@ import torch
 
 from mm_adaptor.patches.optimizer.batched_step import HolderPatches, batches_by_bytes, state_holder, step_in_batches
 
-SLICE = 1 << 22  # elements per codec pass: bounds its int64 temporaries to 32 MiB each
-INT16_MIN, INT16_MAX = -(1 << 15), (1 << 15) - 1
+from mm_adaptor.ops.fp32_words import join_fp32_words, split_fp32_words
 
 
 def split_words(main: torch.Tensor, model: torch.Tensor, keep_low_bits: bool = True):
-    """(residual int16, exception indices int64, exception words int32) such that join_words(model, ...) gives
-    `main` back bit for bit. main: contiguous fp32; model: bf16 of the same numel (any values)."""
-    words, high_halves = main.reshape(-1).view(torch.int32), model.reshape(-1).view(torch.int16)
-    residual = torch.empty(words.numel(), dtype=torch.int16, device=main.device)
-    indices, exact = [], []
-    for start in range(0, words.numel(), SLICE):
-        end = min(start + SLICE, words.numel())
-        diff = words[start:end].to(torch.int64) - high_halves[start:end].to(torch.int64) * 65536
-        if not keep_low_bits:
-            diff.zero_()
-        outside = ((diff < INT16_MIN) | (diff > INT16_MAX)).nonzero().view(-1)
-        if outside.numel():
-            indices.append(outside + start)
-            exact.append(words[start:end][outside])
-        residual[start:end] = diff.clamp_(INT16_MIN, INT16_MAX)
-    index = torch.cat(indices) if indices else torch.empty(0, dtype=torch.int64, device=main.device)
-    kept = torch.cat(exact) if exact else torch.empty(0, dtype=torch.int32, device=main.device)
+    """split_fp32_words; keep_low_bits=False is the deliberately broken split (the low halves lost) that the
+    harness self-test must reject."""
+    residual, index, kept = split_fp32_words(main, model)
+    if not keep_low_bits:
+        residual.zero_()
+        index, kept = index[:0], kept[:0]
     return residual, index, kept
-
-
-def join_words(out: torch.Tensor, model: torch.Tensor, residual, index, kept) -> None:
-    """Write the fp32 words split_words split into `out` (contiguous fp32, numel of model)."""
-    words, high_halves = out.view(-1).view(torch.int32), model.reshape(-1).view(torch.int16)
-    for start in range(0, words.numel(), SLICE):
-        end = min(start + SLICE, words.numel())
-        joined = high_halves[start:end].to(torch.int64) * 65536 + residual[start:end]
-        words[start:end] = joined.clamp_(-(1 << 31), (1 << 31) - 1)  # exceptions overwritten below
-    if index.numel():
-        words[index] = kept
 
 
 class ReusedMainParams:
@@ -77,7 +54,7 @@ class ReusedMainParams:
     def _join(self, i) -> None:
         main, model = self.pairs[i]
         main.untyped_storage().resize_(main.numel() * main.element_size())
-        join_words(main.detach(), model.detach(), *self.splits[i])
+        join_fp32_words(main.detach(), model.detach(), *self.splits[i])
         self.splits[i] = None
 
     # -- all pairs ---------------------------------------------------------------------------------------------

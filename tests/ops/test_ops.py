@@ -187,6 +187,13 @@ def test_autograd_formulas_gradcheck():
     assert torch.autograd.gradcheck(lambda a, b: ops.grouped_matmul(a, b, torch.tensor([2, 0, 4])), (xg, wg))
 
 
+def _words_with_exceptions():
+    """fp32 words and bf16 high halves, two of which differ by more than an int16 (a tie rounded to even)."""
+    main = torch.randn(40)
+    main.view(torch.int32)[[3, 17]] = torch.tensor([0x3F808000, 0x40008000], dtype=torch.int32)
+    return main, main.to(torch.bfloat16)
+
+
 OPCHECK_CASES = [
     ("rms_norm_fwd", lambda: (torch.randn(3, 8, requires_grad=True), torch.randn(8, requires_grad=True), 1e-5)),
     ("rms_norm_bwd", lambda: (torch.randn(3, 8), torch.randn(3, 8), torch.randn(8), torch.rand(3) + 0.5)),
@@ -201,6 +208,10 @@ OPCHECK_CASES = [
     ("grouped_matmul_bwd", lambda: (torch.randn(6, 5), torch.randn(6, 4), torch.randn(3, 4, 5),
                                     torch.tensor([2, 0, 4]))),
     ("host_mapped_copy", lambda: (torch.randn(3, 5),)),
+    ("split_fp32_words", lambda: _words_with_exceptions()),
+    ("join_fp32_words", lambda: (lambda main, model: (model, *op("split_fp32_words")(main, model),
+                                                      main.view(torch.int32)[op("split_fp32_words")(main, model)[1]],
+                                                      torch.empty_like(main)))(*_words_with_exceptions())),
 ]
 
 
@@ -266,3 +277,23 @@ def test_reference_fallback_without_a_compiler(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("reference fallback: no C++ compiler ('no-such-compiler-xyz'")
     assert "references run instead" in result.stdout
+
+
+@pytest.mark.parametrize("numel", [0, 1, 33, 4097, 300_001])
+def test_fp32_words_split_and_join(numel, device):
+    """Bit for bit equal to the reference (residuals, exception positions) and a lossless round trip, with ties
+    rounded to even and high halves that are not the words' rounding."""
+    gen = torch.Generator().manual_seed(numel)
+    words = torch.randint(-2**31, 2**31, (numel,), dtype=torch.int64, generator=gen)
+    words[::7] = (words[::7] >> 16 << 16) + 0x8000  # ties
+    main = words.to(torch.int32).view(torch.float32)
+    model = main.to(torch.bfloat16)
+    model[::11] = torch.randn(model[::11].shape, generator=gen).to(torch.bfloat16)
+    main_d, model_d = on(device, main, model)
+    residual, index, kept = ops.split_fp32_words(main_d, model_d)
+    ref_residual, ref_index = reference("split_fp32_words")(main, model)
+    assert torch.equal(residual.cpu(), ref_residual) and torch.equal(index.cpu(), ref_index)
+    poison_allocator(device)
+    out = torch.empty_like(main_d)
+    ops.join_fp32_words(out, model_d, residual, index, kept)
+    assert torch.equal(out.cpu().view(torch.int32), main.view(torch.int32))

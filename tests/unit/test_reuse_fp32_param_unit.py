@@ -8,7 +8,18 @@ import torch
 
 from refusals import assert_refused_in_one_line
 
-from mm_adaptor.patches.optimizer.reuse_fp32_param import ReusedMainParams, join_words, split_words
+from mm_adaptor.ops import fp32_words
+from mm_adaptor.patches.optimizer.reuse_fp32_param import ReusedMainParams, split_words
+
+
+def reference_split(main, model):
+    residual, index = fp32_words.reference_split(main, model)
+    return residual, index, main.view(torch.int32)[index]
+
+
+# the native kernels (what the feature runs) and the plain-PyTorch references they are checked against
+CODECS = {"native": (fp32_words.split_fp32_words, fp32_words.join_fp32_words),
+          "reference": (reference_split, fp32_words.reference_join)}
 
 
 def options(**kw):
@@ -39,15 +50,18 @@ def every_kind_of_word():
     return torch.cat([random_words, ties.clamp(-2**31, 2**31 - 1), edges]).to(torch.int32)
 
 
-def test_split_and_join_give_back_every_word():
+@pytest.mark.parametrize("codec", CODECS)
+def test_split_and_join_give_back_every_word(codec):
+    split, join = CODECS[codec]
     words = every_kind_of_word()
     main = words.view(torch.float32)
     model = main.to(torch.bfloat16)  # megatron's copy: round to nearest even
-    residual, index, kept = split_words(main, model)
+    residual, index, kept = split(main, model)
     assert residual.dtype == torch.int16 and residual.numel() == main.numel()
-    out = torch.empty_like(main)
-    join_words(out, model, residual, index, kept)
+    out = torch.full_like(main, float("nan"))
+    join(model, residual, index, kept, out) if codec == "reference" else join(out, model, residual, index, kept)
     assert torch.equal(out.view(torch.int32), words)
+    assert torch.equal(index, index.sort().values), "exception positions ascend"
     # among finite words, the one difference a 16-bit residual cannot hold: half way, rounded down to even
     ties_to_even_below = ((words & 0x1FFFF) == 0x8000) & torch.isfinite(main)
     kept_whole = torch.zeros_like(ties_to_even_below)
@@ -60,16 +74,27 @@ def test_split_is_exact_for_any_model_values():
     words = every_kind_of_word()
     main = words.view(torch.float32)
     model = torch.randn(main.numel(), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    native = fp32_words.split_fp32_words(main, model)
+    for got, expected in zip(native, reference_split(main, model)):
+        assert torch.equal(got, expected)
     out = torch.empty_like(main)
-    join_words(out, model, *split_words(main, model))
+    fp32_words.join_fp32_words(out, model, *native)
     assert torch.equal(out.view(torch.int32), words)
+
+
+def test_codec_refuses_mismatched_inputs():
+    with pytest.raises(ValueError, match="bf16 high halves of the same size"):
+        fp32_words.split_fp32_words(torch.zeros(4), torch.zeros(3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        fp32_words.join_fp32_words(torch.zeros(4, 2).t(), torch.zeros(8, dtype=torch.bfloat16),
+                                   *fp32_words.split_fp32_words(torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16)))
 
 
 def test_dropping_the_low_bits_is_not_exact():
     main = torch.randn(1000)
     model = main.to(torch.bfloat16)
     out = torch.empty_like(main)
-    join_words(out, model, *split_words(main, model, keep_low_bits=False))
+    fp32_words.join_fp32_words(out, model, *split_words(main, model, keep_low_bits=False))
     assert not torch.equal(out, main)
 
 

@@ -1,0 +1,114 @@
+// split_fp32_words / join_fp32_words on CUDA: one fused pass each way. The split counts the words whose
+// residual does not fit int16 (one warp vote and atomic per warp); only when there are any does a second pass
+// list their positions, sorted so the result is the same as on the CPU.
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "vectorized.cuh"
+
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ int64_t residual_of(int32_t word, int16_t high) {
+  return static_cast<int64_t>(word) - static_cast<int64_t>(high) * 65536;
+}
+
+__device__ __forceinline__ bool outside_int16(int64_t diff) { return diff < -32768 || diff > 32767; }
+
+__global__ void split_kernel(const int32_t* __restrict__ words, const int16_t* __restrict__ highs,
+                             int16_t* __restrict__ residual, int64_t n, unsigned long long* __restrict__ outside) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i - threadIdx.x < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    bool out = false;
+    if (i < n) {
+      const int64_t diff = residual_of(words[i], highs[i]);
+      out = outside_int16(diff);
+      residual[i] = static_cast<int16_t>(diff < -32768 ? -32768 : (diff > 32767 ? 32767 : diff));
+    }
+    const unsigned votes = __ballot_sync(0xffffffffu, out);
+    if (votes && (threadIdx.x & 31) == 0) atomicAdd(outside, static_cast<unsigned long long>(__popc(votes)));
+  }
+}
+
+__global__ void list_outside_kernel(const int32_t* __restrict__ words, const int16_t* __restrict__ highs, int64_t n,
+                                    int64_t* __restrict__ index, unsigned long long* __restrict__ slot) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (outside_int16(residual_of(words[i], highs[i]))) index[atomicAdd(slot, 1ull)] = i;
+  }
+}
+
+__global__ void join_kernel(const uint16_t* __restrict__ highs, const int16_t* __restrict__ residual,
+                            uint32_t* __restrict__ words, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    // wrapping arithmetic: exact wherever the word fits, and the kept words overwrite the others
+    words[i] = (static_cast<uint32_t>(highs[i]) << 16) + static_cast<uint32_t>(static_cast<int32_t>(residual[i]));
+  }
+}
+
+int blocks_for(int64_t n) {
+  const int64_t blocks = std::min<int64_t>(mm_adaptor_cuda::ceil_div(n, kThreads), mm_adaptor_cuda::sm_count() * 8);
+  return static_cast<int>(std::max<int64_t>(1, blocks));
+}
+
+std::tuple<at::Tensor, at::Tensor> split_fp32_words_cuda(const at::Tensor& main_in, const at::Tensor& model_in) {
+  TORCH_CHECK(main_in.scalar_type() == at::kFloat && model_in.scalar_type() == at::kBFloat16,
+              "split_fp32_words: fp32 words and bf16 high halves expected, got ", main_in.scalar_type(), " and ",
+              model_in.scalar_type());
+  TORCH_CHECK(main_in.numel() == model_in.numel(), "split_fp32_words: ", main_in.numel(), " words but ",
+              model_in.numel(), " high halves");
+  const c10::cuda::CUDAGuard guard(main_in.device());
+  const auto main = main_in.contiguous();
+  const auto model = model_in.contiguous();
+  const int64_t n = main.numel();
+  auto residual = at::empty({n}, main.options().dtype(at::kShort));
+  if (n == 0) return {residual, at::empty({0}, main.options().dtype(at::kLong))};
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto* words = reinterpret_cast<const int32_t*>(main.data_ptr());
+  const auto* highs = reinterpret_cast<const int16_t*>(model.data_ptr());
+  auto counters = at::zeros({2}, main.options().dtype(at::kLong));
+  auto* outside = reinterpret_cast<unsigned long long*>(counters.data_ptr<int64_t>());
+  split_kernel<<<blocks_for(n), kThreads, 0, stream>>>(words, highs, residual.data_ptr<int16_t>(), n, outside);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t count = counters[0].item<int64_t>();  // the one synchronisation: the index's size
+  auto index = at::empty({count}, main.options().dtype(at::kLong));
+  if (count > 0) {
+    list_outside_kernel<<<blocks_for(n), kThreads, 0, stream>>>(words, highs, n, index.data_ptr<int64_t>(),
+                                                                 outside + 1);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    index = std::get<0>(index.sort());
+  }
+  return {residual, index};
+}
+
+void join_fp32_words_cuda(const at::Tensor& model, const at::Tensor& residual, const at::Tensor& index,
+                          const at::Tensor& kept, const at::Tensor& out) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), "join_fp32_words: contiguous fp32 out expected");
+  TORCH_CHECK(model.scalar_type() == at::kBFloat16 && residual.scalar_type() == at::kShort &&
+                  index.scalar_type() == at::kLong && kept.scalar_type() == at::kInt,
+              "join_fp32_words: bf16 high halves, int16 residuals, int64 index and int32 kept words expected");
+  const int64_t n = out.numel();
+  TORCH_CHECK(model.numel() == n && residual.numel() == n && index.numel() == kept.numel(),
+              "join_fp32_words: sizes differ (out ", n, ", high halves ", model.numel(), ", residuals ",
+              residual.numel(), ", index ", index.numel(), ", kept ", kept.numel(), ")");
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  const auto model_c = model.contiguous();
+  const auto residual_c = residual.contiguous();
+  join_kernel<<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const uint16_t*>(model_c.data_ptr()), residual_c.data_ptr<int16_t>(),
+      reinterpret_cast<uint32_t*>(out.data_ptr()), n);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (index.numel() > 0) out.view(at::kInt).index_put_({index}, kept);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mm_adaptor, CUDA, m) {
+  m.impl("split_fp32_words", &split_fp32_words_cuda);
+  m.impl("join_fp32_words", &join_fp32_words_cuda);
+}
