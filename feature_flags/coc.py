@@ -1,0 +1,74 @@
+"""--use-coc [--coc-parallel-num N] (alias --use-ascend-coc): tensor-parallel collectives run chunk by chunk,
+overlapped with the matmuls of the other chunks."""
+
+from mm_adaptor.features import Feature, FeatureConfigError, Flag, Tolerance, register, require_local_spec
+
+MAIN, ALIAS, CHUNKS = "--use-coc", "--use-ascend-coc", "--coc-parallel-num"
+CHUNK_CHOICES = (1, 2, 4, 8)
+
+LINEAR = "megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce"
+ROW_FORWARD = "megatron.core.tensor_parallel.layers.RowParallelLinear.forward"
+
+
+@register
+class ComputeOverlappedCommunication(Feature):
+    name = "coc"
+    description = ("tensor-parallel linears split each rank's sequence rows into N chunks: a column-parallel "
+                   "linear under sequence parallelism multiplies chunk i while the all-gathers of the later chunks "
+                   "are in flight; a row-parallel linear starts each chunk's reduce-scatter (or all-reduce) as soon "
+                   "as its product is computed; backward mirrors both, the weight gradient (one GEMM, as megatron) "
+                   "overlapping the last reduce-scatters")
+    flags = (
+        Flag(MAIN, description),
+        Flag(ALIAS, f"the same as {MAIN} (MindSpeed's name for it)"),
+        Flag(CHUNKS, "chunks per tensor-parallel linear (default 4; uneven when the rows do not divide, 1 = "
+                     "megatron's own path)", type=int, default=None, choices=CHUNK_CHOICES),
+    )
+    tolerance = Tolerance(exact=True, why="every row is the same GEMM on the same operands and the weight gradient "
+                                          "one GEMM over the same rows; a reduction over two ranks is order-free")
+
+    def is_enabled(self, options) -> bool:
+        # the chunk count alone counts as asking, so that validate can refuse it
+        return any(getattr(options, dest, None) for dest in ("use_coc", "use_ascend_coc", "coc_parallel_num"))
+
+    def validate(self, options):
+        refusal = refusal_for(options)
+        if refusal:
+            raise FeatureConfigError(refusal)
+        require_local_spec(self, options)
+
+    def statistics(self):
+        from mm_adaptor.patches.tensor_parallel import coc
+
+        return {f"chunked {kind} calls": n for kind, n in sorted(coc.CALLS.items())} or None
+
+    def patch_sets(self, options):
+        from mm_adaptor.patches.tensor_parallel import coc
+        from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+
+        chunks = chunks_of(options)
+        contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
+        ps = PatchSet(self.name)
+        ps.wrap(LINEAR, coc.linear_chunked_under_sequence_parallel(chunks), contract=contract)
+        ps.wrap(ROW_FORWARD, coc.row_parallel_forward_chunked(chunks), contract=contract)
+        return [ps]
+
+
+def chunks_of(options) -> int:
+    n = getattr(options, "coc_parallel_num", None)
+    return 4 if n is None else n
+
+
+def refusal_for(options) -> str | None:
+    """One line naming the flags that cannot work together, or None."""
+    on = bool(getattr(options, "use_coc", False) or getattr(options, "use_ascend_coc", False))
+    if not on:
+        return f"{CHUNKS} needs {MAIN} (or {ALIAS}): add it or drop {CHUNKS}"
+    tp = getattr(options, "tensor_model_parallel_size", 1) or 1
+    if tp == 1:
+        return (f"{MAIN} overlaps tensor-parallel communication, and --tensor-model-parallel-size 1 has none: "
+                f"use --tensor-model-parallel-size 2 or more, or drop {MAIN}")
+    if getattr(options, "tp_comm_overlap", False):
+        return (f"{MAIN} and --tp-comm-overlap both overlap the tensor-parallel collectives (this one by chunks, "
+                f"that one through Transformer Engine's userbuffers): keep one")
+    return None
