@@ -1,5 +1,6 @@
 """--use-coc against unpatched Megatron, bit-for-bit: TP2 with sequence parallelism (fp32 N=2, bf16 N=4), TP2
-without it (all-reduce, uneven chunks), PP2 x TP2+SP under MindSpeed's name; the chunked paths really ran (the
+without it (all-reduce, uneven chunks), PP2 x TP2+SP under MindSpeed's name, TP2+SP x DP2 with the distributed
+optimizer and gradient-accumulation fusion; the chunked paths really ran (the
 feature's call counts); chunks re-assembled in the wrong order fail the harness. The full matrix (N=2 and 4, fp32
 and bf16, every layout) is in benchmarks/RESULTS.md."""
 
@@ -45,3 +46,9 @@ def test_chunks_in_the_wrong_order_fail():
         result = harness.compare(["--use-test-broken-coc"], layout="tp2-sp", extra_args=[], iters=4)
     assert not result.passed
     assert result.loss_failures
+
+
+def test_tp2_sp_dp2_distributed_optimizer_with_gradient_accumulation_fusion():
+    """The weight gradient goes into main_grad through megatron's fused accumulation, sharded by the optimizer."""
+    check(["--use-coc"], "tp2-sp", ["--bf16", "--use-distributed-optimizer", "--gradient-accumulation-fusion"],
+          nproc=4)

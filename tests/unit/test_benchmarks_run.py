@@ -175,3 +175,29 @@ def test_optimizer_memory_benchmark_moves_optimizer_state():
     by_name = {row[0]: row for row in rows}
     assert list(by_name) == ["unpatched", "swap-optimizer"], stdout
     assert "GB copied per step" in stdout and "GB/s over the optimizer step" in stdout, stdout
+
+
+def test_coc_overlap_benchmark_prints_measured_and_predicted_times():
+    stdout = run_script("coc_overlap.py", "--hidden", "32", "--ffn", "48", "--seq", "64", "--micro-batch", "1",
+                        "--iters", "1", "--warmup", "0")
+    header, rows = table_rows(stdout)
+    assert [row[0] for row in rows] == ["megatron (unpatched)"] + [f"--use-coc --coc-parallel-num {n}"
+                                                                   for n in (2, 4, 8)], stdout
+    for row in rows:
+        assert float(row[1]) > 0 and float(row[3]) > 0, stdout
+    assert re.search(r"GEMM [\d.]+ GFLOP/s, all-gather bus bandwidth [\d.]+ GB/s", stdout), stdout
+
+
+def test_coc_cost_model(monkeypatch):
+    cost = load_benchmark("coc_cost_model", monkeypatch)
+    layer = cost.Layer(hidden=1024, ffn=4096, seq=2048, micro_batch=1, tp=8)
+    free_link = cost.Machine("no communication cost", 1e12, float("inf"), 0.0)
+    assert cost.predict(layer, free_link)["saved"] == pytest.approx(0)  # nothing to hide
+    balanced = cost.Machine("balanced", 1e12, 1e11, 0.0)
+    p = cost.predict(layer, balanced)
+    assert p["coc"][1] == p["megatron"] and p["saved"] > 0 and p["best"] == 8  # no latency: more chunks win
+    costly_calls = cost.Machine("latency-bound", 1e12, 1e11, 1e-3)
+    assert cost.predict(layer, costly_calls)["best"] == 1  # each extra collective costs more than it hides
+    assert cost.pipeline(1.0, 1.0, 4) == pytest.approx(1.25)
+    stdout = run_script("coc_cost_model.py")
+    assert "NVLink-class" in stdout and "PCIe-class" in stdout and "TP8" in stdout
