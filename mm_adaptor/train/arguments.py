@@ -264,6 +264,10 @@ def finalize_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         if dp is not None and (dp * tp) % ep != 0:
             problems.append(f"--expert-model-parallel-size {ep} must divide data-parallel x tensor-parallel size "
                             f"({dp * tp}): change --nproc-per-node or the layout")
+        if tp > 1 and not args.disable_bias_linear:
+            problems.append("MoE with --tensor-model-parallel-size > 1 (experts split the same way) needs "
+                            "--disable-bias-linear: megatron supports expert biases only without expert tensor "
+                            "parallelism")
         if args.moe_ffn_hidden_size is not None and args.moe_ffn_hidden_size % tp != 0:
             problems.append(_not_divisible("--moe-ffn-hidden-size", args.moe_ffn_hidden_size,
                                            "--tensor-model-parallel-size", tp))

@@ -1,6 +1,6 @@
-"""--use-coc against unpatched Megatron, bit-for-bit: TP2 with sequence parallelism (fp32 N=2, bf16 N=4), TP2
+"""--use-coc against unpatched Megatron, within its calibrated tolerance and in fact bit-for-bit here: TP2 with sequence parallelism (fp32 N=2, bf16 N=4), TP2
 without it (all-reduce, uneven chunks), PP2 x TP2+SP under MindSpeed's name, TP2+SP x DP2 with the distributed
-optimizer and gradient-accumulation fusion; the chunked paths really ran (the
+optimizer and gradient-accumulation fusion, EP2 x expert TP2 MoE; the chunked paths really ran (the
 feature's call counts); chunks re-assembled in the wrong order fail the harness. The full matrix (N=2 and 4, fp32
 and bf16, every layout) is in benchmarks/RESULTS.md."""
 
@@ -14,10 +14,16 @@ pytestmark = pytest.mark.distributed
 COLUMN_CALLS, ROW_CALLS = 5, 4
 
 
-def check(flags, layout, extra, nproc=None):
+def check(flags, layout, extra, nproc=None, equal=True):
+    """equal: also every compared value bit for bit, which the declared tolerance does not promise but this CPU's
+    GEMMs give when every chunk's GEMM has a multiple of 4 rows (true of these layouts: micro-batch 2 x TP2)."""
     result = harness.compare(flags, layout=layout, extra_args=list(extra), iters=4, nproc=nproc)
     assert result.passed, harness.format_comparison(result)
-    assert result.tolerance.exact
+    assert not result.tolerance.exact
+    if equal:
+        differences = {group: verdict.largest for group, verdict in result.verdicts.items()
+                       if any(verdict.largest.values())}
+        assert not differences, differences
     return result.memory_on["feature_statistics"]["coc"]
 
 
@@ -52,3 +58,12 @@ def test_tp2_sp_dp2_distributed_optimizer_with_gradient_accumulation_fusion():
     """The weight gradient goes into main_grad through megatron's fused accumulation, sharded by the optimizer."""
     check(["--use-coc"], "tp2-sp", ["--bf16", "--use-distributed-optimizer", "--gradient-accumulation-fusion"],
           nproc=4)
+
+
+def test_ep2_with_tensor_parallel_experts():
+    """EP2 x expert TP2 (TP2+SP on 4 ranks): each expert gathers its uneven rows by chunks. The tokens an expert
+    gets are not a multiple of 4, so GEMM rounding may differ: judged against the calibrated tolerance only."""
+    calls = check(["--use-coc"], "ep2-moe", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                             "--disable-bias-linear"], nproc=4, equal=False)
+    # 2 layers x 2 local experts x 2 micro-batches x 4 steps
+    assert calls["chunked expert fc1 all-gather calls"] == calls["chunked expert fc2 reduce-scatter calls"] == 32

@@ -1,5 +1,6 @@
 """--use-coc's chunked linears on two gloo ranks: bit-for-bit equal to the unchunked collectives and GEMMs (forward,
-input and weight gradients, even and uneven chunks), and the trace of the work shows the overlap: chunk i is
+input and weight gradients, even and uneven chunks) where the rows are the same per rank; with uneven rows per rank
+(MoE experts, empty ones included) equal within GEMM rounding to references built from every rank's data; and the trace of the work shows the overlap: chunk i is
 multiplied while the collective of chunk i+1 is issued and not yet waited for (forward), and each chunk's
 reduce-scatter is still in flight while the next chunk is multiplied (backward). Plus chunk bounds and refusals."""
 
@@ -100,6 +101,40 @@ def _row_case(rank, rows, chunks, group, sequence_parallel):
     assert torch.equal(w.grad, total_grad.reshape(-1, HIDDEN).t().matmul(x.detach().reshape(-1, OUT)))
 
 
+def _close(actual, expected):
+    """Uneven chunks change GEMM sizes, so rows may round differently (an M-tail kernel); a misplaced or missing
+    row is far outside this."""
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def _uneven_cases(rank, counts, chunks, group):
+    """Expert rows: each rank holds its own number of rows (2-D tokens), references built from every rank's
+    data locally (the sum over two ranks is the same in either order)."""
+    offsets = [sum(counts[:r]) for r in range(TP)]
+    mine = slice(offsets[rank], offsets[rank] + counts[rank])
+    w = _rand(11, OUT, HIDDEN).requires_grad_()
+    xs = [_rand(500 + r, counts[r], HIDDEN) for r in range(TP)]
+    grads = [_rand(600 + r, sum(counts), OUT) for r in range(TP)]
+    x = xs[rank].clone().requires_grad_()
+    out = coc.AllGatherMatmul.apply(x, w, None, False, chunks, group, counts)
+    out.backward(grads[rank])
+    full = torch.cat(xs)
+    _close(out, full.mm(w.detach().t()))
+    _close(x.grad, sum(g.mm(w.detach()) for g in grads)[mine])
+    _close(w.grad, grads[rank].t().mm(full))
+
+    v = _rand(13, HIDDEN, OUT).requires_grad_()
+    inputs = [_rand(700 + r, sum(counts), OUT) for r in range(TP)]
+    row_grads = [_rand(800 + r, counts[r], HIDDEN) for r in range(TP)]
+    y = inputs[rank].clone().requires_grad_()
+    out = coc.MatmulReduce.apply(y, v, False, True, chunks, group, counts)
+    out.backward(row_grads[rank])
+    _close(out, sum(i.mm(v.detach().t()) for i in inputs)[mine])
+    gathered = torch.cat(row_grads)
+    _close(y.grad, gathered.mm(v.detach()))
+    _close(v.grad, gathered.t().mm(inputs[rank]))
+
+
 def _worker(rank, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=TP)
@@ -109,6 +144,8 @@ def _worker(rank, port, results):
             _column_case(rank, rows, chunks, group)
             _row_case(rank, rows, chunks, group, sequence_parallel=True)
             _row_case(rank, rows, chunks, group, sequence_parallel=False)
+        for counts, chunks in (([9, 5], 2), ([9, 5], 4), ([1, 6], 4), ([0, 3], 2), ([0, 0], 4)):
+            _uneven_cases(rank, counts, chunks, group)
         coc.TRACE = []
         x = _rand(7, 8, BATCH, HIDDEN).requires_grad_()
         w = _rand(8, OUT, HIDDEN).requires_grad_()

@@ -73,6 +73,7 @@ def _args(*argv):
       "--global-batch-size", "6"], 2,
      "multiple of --pipeline-model-parallel-size"),
     (["--expert-model-parallel-size", "2"], 2, "needs --num-experts"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 2, "needs --disable-bias-linear"),
     (["--bf16", "--fp16"], 2, "exclusive"),
     (["--global-batch-size", "3"], 2, "not divisible by --micro-batch-size"),
     (["--overlap-param-gather"], 2, "needs --use-distributed-optimizer"),
