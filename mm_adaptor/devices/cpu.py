@@ -14,6 +14,8 @@ What it changes, and nothing more:
 - Megatron's CUDA RNG-state helpers use the CPU generator (what dropout on the CPU draws from), and
   MoE's split sizes, already on the host, honour as_numpy.
 - Megatron-LM's "Megatron requires CUDA" check is lifted.
+- Asynchronous sends take a copy of their tensor (megatron frees a pipeline output while its send may still be
+  reading it, which gloo's background thread does not tolerate).
 - gloo's missing collectives for uneven sizes (list all_gather, list reduce_scatter), which megatron's MoE uses
   under expert tensor parallelism, run as padded tensor collectives.
 """
@@ -146,7 +148,19 @@ def _reduce_scatter_list(func, args, kwargs):
     return _Completed() if bound.get("async_op") else None
 
 
+def _isend_a_copy(func, args, kwargs):
+    """An asynchronous gloo send reads its tensor from a background thread until its work completes, but megatron
+    frees a pipeline output right after issuing its send (deallocate_output_tensor swaps the storage out, which
+    NCCL's stream ordering tolerates): the send gets a copy of its own."""
+    if args:
+        args = (args[0].detach().clone(), *args[1:])
+    else:
+        kwargs = dict(kwargs, tensor=kwargs["tensor"].detach().clone())
+    return func(*args, **kwargs)
+
+
 _SPECIAL = {
+    torch.distributed.isend: _isend_a_copy,
     torch.distributed.all_gather: _all_gather_uneven,
     torch.distributed.reduce_scatter: _reduce_scatter_list,
     torch.device: _device_ctor,

@@ -19,6 +19,7 @@ def transformer_config(args):
 
     dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
     ffn = ffn_hidden_size(args)
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
     kwargs = dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -56,6 +57,10 @@ def transformer_config(args):
         calculate_per_token_loss=True,
         cuda_graph_scope=[],  # megatron's default "full" is deprecated and warns on every config
         deallocate_pipeline_outputs=True,
+        # as Megatron-LM: the interleaved schedule overlaps its point-to-point transfers, unbatched. Batched, both
+        # kinds of transfer between the same two ranks (PP2) would be matched by posting order and swapped.
+        overlap_p2p_comm=interleaved,
+        batch_p2p_comm=not interleaved,
     )
     if args.num_experts:
         kwargs.update(

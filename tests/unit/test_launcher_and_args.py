@@ -83,6 +83,21 @@ def test_bad_layouts_are_named(argv, world, message):
         finalize_args(_args(*argv), world)
 
 
+def test_interleaved_schedule_sends_unbatched_as_megatron_lm_does():
+    """Batched, the activation and the gradient a PP2 stage sends its one neighbour in the same step are matched by
+    posting order, and megatron posts them in opposite orders on the two sides: gloo swapped them and the
+    interleaved layout trained on swapped tensors. Megatron-LM forbids that combination; the driver now uses
+    Megatron-LM's default for the interleaved schedule (overlapped, unbatched transfers)."""
+    from mm_adaptor.train.model import transformer_config
+
+    interleaved = finalize_args(_args("--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                                      "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8"), 2)
+    config = transformer_config(interleaved)
+    assert config.overlap_p2p_comm and not config.batch_p2p_comm
+    plain = transformer_config(finalize_args(_args("--pipeline-model-parallel-size", "2", "--num-layers", "4"), 2))
+    assert plain.batch_p2p_comm and not plain.overlap_p2p_comm
+
+
 def test_derived_layout():
     args = finalize_args(_args("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                                "--global-batch-size", "8"), 2)
