@@ -201,3 +201,11 @@ def test_coc_cost_model(monkeypatch):
     assert cost.pipeline(1.0, 1.0, 4) == pytest.approx(1.25)
     stdout = run_script("coc_cost_model.py")
     assert "NVLink-class" in stdout and "PCIe-class" in stdout and "TP8" in stdout
+
+
+def test_vpp_extra_warmup_benchmark_prints_both_schedules():
+    stdout = run_script("vpp_extra_warmup.py", "--hidden", "64", "--seq", "64", "--micro-batches", "4", "--iters", "2",
+                        "--layouts", "PP2+VPP2")
+    header, rows = table_rows(stdout)
+    assert [row[0] for row in rows] == ["PP2+VPP2"], stdout
+    assert float(rows[0][1]) > 0 and float(rows[0][2]) > 0 and rows[0][3].endswith("x"), stdout

@@ -1,0 +1,1 @@
+"""Patches of megatron.core.pipeline_parallel (the schedules)."""

@@ -1,0 +1,83 @@
+"""--vpp-extra-warmup: megatron's interleaved 1F1B schedule with K more warm-up forwards on every stage.
+
+Megatron's interleaved schedule takes its warm-up length from get_pp_rank_microbatches and is otherwise written
+for any length: after W warm-up forwards, steady step k runs the forward of virtual micro-batch k + W and the
+backward of k, and the cool-down drains the rest. Adding the same K to every stage keeps the difference between
+neighbouring stages (two), so every send still meets its receive; each stage has its next forward's input in hand
+K steps earlier, so a late point-to-point transfer delays it less, for K more micro-batches of activations
+held per stage. The order of the backward passes is megatron's, so gradients accumulate in the same order.
+
+Also counts, per stage, the micro-batches whose forward ran and whose backward has not (the activations held):
+the schedule's real peak, for the driver's statistics and the simulator's check."""
+
+from __future__ import annotations
+
+import torch
+
+
+class InFlight:
+    """Forward steps minus backward steps while gradients are on (evaluation does not count)."""
+
+    def __init__(self):
+        self.now = 0
+        self.peak = 0
+        self.schedules = 0
+
+    def forward(self):
+        if torch.is_grad_enabled():
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+
+    def backward(self):
+        self.now -= 1
+
+
+IN_FLIGHT = InFlight()
+
+
+def warmup_with_extra(extra: int):
+    """Wrapper of get_pp_rank_microbatches: K more warm-up micro-batches in the interleaved schedule (clipped to
+    the total; a stage whose micro-batches are all in warm-up already keeps megatron's)."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        total, all_in_warmup, warmup, remaining = wrapped(*args, **kwargs)
+        names = ("num_microbatches", "num_model_chunks", "microbatch_group_size_per_vp_stage", "forward_only")
+        bound = dict(zip(names, args), **kwargs)
+        if bound.get("forward_only") or bound["num_model_chunks"] == 1 or all_in_warmup:
+            return total, all_in_warmup, warmup, remaining
+        warmup = min(warmup + extra, total)
+        IN_FLIGHT.schedules += 1
+        return total, warmup == total, warmup, total - warmup
+
+    return wrapper
+
+
+def counting_forward(wrapped, instance, args, kwargs):
+    IN_FLIGHT.forward()
+    return wrapped(*args, **kwargs)
+
+
+def counting_backward(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    IN_FLIGHT.backward()
+    return result
+
+
+ACTIVATION_TAG, GRADIENT_TAG = 1, 2
+
+
+def p2p_ops_tagged_by_kind(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
+                           prev_pipeline_rank, next_pipeline_rank):
+    """EXPERIMENT: megatron's _p2p_ops with activations and gradients on separate tags."""
+    import torch.distributed as dist
+
+    reqs = {}
+    for name, op, tensor, peer, tag in (
+            ("send_next", dist.isend, tensor_send_next, next_pipeline_rank, ACTIVATION_TAG),
+            ("recv_prev", dist.irecv, tensor_recv_prev, prev_pipeline_rank, ACTIVATION_TAG),
+            ("send_prev", dist.isend, tensor_send_prev, prev_pipeline_rank, GRADIENT_TAG),
+            ("recv_next", dist.irecv, tensor_recv_next, next_pipeline_rank, GRADIENT_TAG)):
+        if tensor is not None:
+            kw = {"dst": peer} if op is dist.isend else {"src": peer}
+            reqs[name] = op(tensor=tensor, group=group, tag=tag, **kw)
+    return reqs

@@ -1,0 +1,49 @@
+"""--vpp-extra-warmup: one-line refusals, and the warm-up it asks of megatron's schedule (K more, clipped to the
+virtual micro-batches there are; evaluation and stages already all in warm-up keep megatron's)."""
+
+import argparse
+
+import pytest
+
+from refusals import assert_refused_in_one_line
+
+from mm_adaptor.patches.pipeline.vpp_extra_warmup import warmup_with_extra
+
+
+def options(**kw):
+    base = dict(vpp_extra_warmup=True, vpp_extra_warmup_microbatches=None, pipeline_model_parallel_size=2,
+                num_layers=4, num_layers_per_virtual_pipeline_stage=1, virtual_pipeline_model_parallel_size=None,
+                num_microbatches=4)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("kw,names", [
+    (dict(vpp_extra_warmup=False, vpp_extra_warmup_microbatches=2), ["--vpp-extra-warmup-microbatches", "needs"]),
+    (dict(vpp_extra_warmup_microbatches=0), ["--vpp-extra-warmup-microbatches 0"]),
+    (dict(num_layers_per_virtual_pipeline_stage=None), ["--vpp-extra-warmup", "virtual pipeline"]),
+    (dict(pipeline_model_parallel_size=1), ["--pipeline-model-parallel-size 2"]),
+    (dict(overlap_moe_expert_parallel_comm=True), ["--overlap-moe-expert-parallel-comm"]),
+    (dict(num_microbatches=2), ["2 micro-batches x 2 model chunks", "--global-batch-size"]),
+])
+def test_refusals_are_one_line_naming_the_flags(kw, names):
+    assert_refused_in_one_line("vpp-extra-warmup", options(**kw), names)
+
+
+def megatron(total, warmup):
+    return lambda *args, **kwargs: (total, warmup >= total, min(warmup, total), total - min(warmup, total))
+
+
+@pytest.mark.parametrize("extra,total,warmup,expected", [
+    (1, 8, 4, (8, False, 5, 3)),
+    (3, 8, 4, (8, False, 7, 1)),
+    (5, 8, 4, (8, True, 8, 0)),  # clipped
+    (1, 8, 8, (8, True, 8, 0)),  # already all in warm-up: megatron's
+])
+def test_warmup_length(extra, total, warmup, expected):
+    assert warmup_with_extra(extra)(megatron(total, warmup), None, (4, 2, 2), {}) == expected
+
+
+def test_evaluation_and_plain_pipelines_keep_megatrons_warmup():
+    assert warmup_with_extra(1)(megatron(8, 4), None, (4, 2, 2), {"forward_only": True}) == (8, False, 4, 4)
+    assert warmup_with_extra(1)(megatron(4, 1), None, (4, 1, 2), {}) == (4, False, 1, 3)
