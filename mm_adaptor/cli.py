@@ -354,6 +354,12 @@ def _train_main(argv: list[str]) -> int:
     return train_main(argv)
 
 
+def _schedule_main(argv: list[str]) -> int:
+    from mm_adaptor.schedule import main as schedule_main
+
+    return schedule_main(argv)
+
+
 COMMANDS = {
     "report": (report_main, "versions, device backend, native ops and every feature"),
     "train": (_train_main, "train the built-in tiny GPT (see mm-adaptor train --help)"),
@@ -361,6 +367,7 @@ COMMANDS = {
     "calibrate": (calibrate_main, "measure Megatron's rounding noise, which sets check's inexact thresholds"),
     "fingerprint": (fingerprint_main, "print the contract fingerprint of dotted targets (for patch authors)"),
     "build-ops": (build_ops_main, "build the native ops ahead of time"),
+    "schedule": (_schedule_main, "simulate pipeline schedules: step time, bubble, memory, timeline picture"),
 }
 
 
