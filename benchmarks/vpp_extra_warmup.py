@@ -1,6 +1,8 @@
 """--vpp-extra-warmup on the CPU: wall-clock per training step of megatron's interleaved schedule with and without
 the extra warm-up, PP2+VPP2 (2 gloo ranks) and PP4+VPP2 (4 gloo ranks), one configuration after the other in one
-run, each a fresh `mm-adaptor train`; the mean iteration time is the driver's own (first iteration excluded)."""
+run, each a fresh `mm-adaptor train`; the mean iteration time is the driver's own (first iteration excluded).
+Then `mm-adaptor schedule`'s prediction for the same runs, fed with the forward and backward time per model chunk
+that the feature measured in the run (first stage), and the peak micro-batches the first stage held."""
 
 from __future__ import annotations
 
@@ -26,6 +28,25 @@ def mean_iteration_ms(argv: list[str]) -> float:
     return float(found.group(1))
 
 
+def measured_chunk_costs(argv: list[str]) -> dict:
+    """The feature's statistics from one more run with it (rank 0, the first stage)."""
+    from mm_adaptor import train
+
+    dump = train.run(train.parse_args([*argv, "--timeout", "600"]))
+    return dump.memory["feature_statistics"]["vpp-extra-warmup"]
+
+
+def predicted_ms(layout: list[str], microbatches: int, stats: dict, extra: int, transfer_ms: float) -> tuple:
+    from mm_adaptor import schedule
+
+    pp = int(layout[layout.index("--pipeline-model-parallel-size") + 1])
+    costs = schedule.Costs(stats["mean forward ms per chunk"] / 1e3, stats["mean backward ms per chunk"] / 1e3,
+                           latency=transfer_ms / 1e3)
+    plain = schedule.simulate(pp, 2, microbatches, costs)
+    more = schedule.simulate(pp, 2, microbatches, costs, extra=extra)
+    return plain.step * 1e3, more.step * 1e3, plain.peak_in_flight[0], more.peak_in_flight[0]
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=256)
@@ -34,21 +55,28 @@ def main(argv=None) -> dict:
     parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--extra", type=int, default=1, help="--vpp-extra-warmup-microbatches")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--transfer-ms", type=float, default=0.6,
+                        help="one point-to-point transfer for the prediction (gloo between local ranks: about 0.35 ms "
+                             "of latency plus the hidden states at about 1 GB/s, benchmarks/coc_overlap.py)")
     args = parser.parse_args(argv)
     model = ["--hidden-size", str(args.hidden), "--num-attention-heads", "4", "--seq-length", str(args.seq),
              "--micro-batch-size", "1", "--global-batch-size", str(args.micro_batches),
              "--num-layers-per-virtual-pipeline-stage", "1", "--train-iters", str(args.iters)]
     print(f"# hidden {args.hidden}, seq {args.seq}, {args.micro_batches} micro-batches of 1 per step, fp32, "
           f"{args.iters} iterations, mean excluding the first; --vpp-extra-warmup-microbatches {args.extra}")
-    print("| layout | megatron interleaved ms | with extra warm-up ms | ratio (megatron / extra) |")
-    print("|---|---|---|---|", flush=True)
+    print("| layout | megatron interleaved ms | with extra warm-up ms | ratio (megatron / extra) | predicted ms "
+          "(megatron / extra) | first stage's peak micro-batches held (predicted / observed) |")
+    print("|---|---|---|---|---|---|", flush=True)
     results = {}
     for name in args.layouts.split(","):
-        off = mean_iteration_ms([*LAYOUTS[name], *model])
-        on = mean_iteration_ms([*LAYOUTS[name], *model, "--vpp-extra-warmup", "--vpp-extra-warmup-microbatches",
-                                str(args.extra)])
-        results[name] = (off, on)
-        print(f"| {name} | {off:.1f} | {on:.1f} | {off / on:.3f}x |", flush=True)
+        with_feature = [*LAYOUTS[name], *model, "--vpp-extra-warmup", "--vpp-extra-warmup-microbatches", str(args.extra)]
+        off, on = mean_iteration_ms([*LAYOUTS[name], *model]), mean_iteration_ms(with_feature)
+        stats = measured_chunk_costs(with_feature)
+        plain_ms, extra_ms, plain_peak, extra_peak = predicted_ms(LAYOUTS[name], args.micro_batches, stats, args.extra,
+                                                                  args.transfer_ms)
+        results[name] = (off, on, plain_ms, extra_ms, extra_peak, stats["peak micro-batches in flight"])
+        print(f"| {name} | {off:.1f} | {on:.1f} | {off / on:.3f}x | {plain_ms:.1f} / {extra_ms:.1f} | "
+              f"{plain_peak} and {extra_peak} / {stats['peak micro-batches in flight']} |", flush=True)
     return results
 
 

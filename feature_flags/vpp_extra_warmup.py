@@ -33,7 +33,9 @@ class VppExtraWarmup(Feature):
     def statistics(self):
         from mm_adaptor.patches.pipeline.vpp_extra_warmup import IN_FLIGHT
 
-        return {"peak micro-batches in flight": IN_FLIGHT.peak, "schedules extended": IN_FLIGHT.schedules}
+        return {"peak micro-batches in flight": IN_FLIGHT.peak, "schedules extended": IN_FLIGHT.schedules,
+                "mean forward ms per chunk": IN_FLIGHT.mean_ms("forward"),
+                "mean backward ms per chunk": IN_FLIGHT.mean_ms("backward")}
 
     def patch_sets(self, options):
         from mm_adaptor.patches.pipeline import vpp_extra_warmup as extra

@@ -12,6 +12,8 @@ the schedule's real peak, for the driver's statistics and the simulator's check.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -22,6 +24,8 @@ class InFlight:
         self.now = 0
         self.peak = 0
         self.schedules = 0
+        self.seconds = {"forward": 0.0, "backward": 0.0}
+        self.calls = {"forward": 0, "backward": 0}
 
     def forward(self):
         if torch.is_grad_enabled():
@@ -30,6 +34,13 @@ class InFlight:
 
     def backward(self):
         self.now -= 1
+
+    def timed(self, kind: str, seconds: float):
+        self.seconds[kind] += seconds
+        self.calls[kind] += 1
+
+    def mean_ms(self, kind: str) -> float:
+        return 1e3 * self.seconds[kind] / max(self.calls[kind], 1)
 
 
 IN_FLIGHT = InFlight()
@@ -54,11 +65,16 @@ def warmup_with_extra(extra: int):
 
 def counting_forward(wrapped, instance, args, kwargs):
     IN_FLIGHT.forward()
-    return wrapped(*args, **kwargs)
+    start = time.perf_counter()
+    result = wrapped(*args, **kwargs)
+    IN_FLIGHT.timed("forward", time.perf_counter() - start)
+    return result
 
 
 def counting_backward(wrapped, instance, args, kwargs):
+    start = time.perf_counter()
     result = wrapped(*args, **kwargs)
+    IN_FLIGHT.timed("backward", time.perf_counter() - start)
     IN_FLIGHT.backward()
     return result
 

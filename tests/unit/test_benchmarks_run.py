@@ -209,3 +209,7 @@ def test_vpp_extra_warmup_benchmark_prints_both_schedules():
     header, rows = table_rows(stdout)
     assert [row[0] for row in rows] == ["PP2+VPP2"], stdout
     assert float(rows[0][1]) > 0 and float(rows[0][2]) > 0 and rows[0][3].endswith("x"), stdout
+    predicted_plain, predicted_extra = (float(v) for v in rows[0][4].split(" / "))
+    assert predicted_plain > 0 and predicted_extra > 0, stdout
+    # 4 micro-batches x 2 chunks: megatron's first stage warms up with 4, holds 5; with one extra 6 (observed too)
+    assert rows[0][5] == "5 and 6 / 6", stdout
