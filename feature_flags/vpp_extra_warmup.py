@@ -35,7 +35,8 @@ class VppExtraWarmup(Feature):
 
         return {"peak micro-batches in flight": IN_FLIGHT.peak, "schedules extended": IN_FLIGHT.schedules,
                 "mean forward ms per chunk": IN_FLIGHT.mean_ms("forward"),
-                "mean backward ms per chunk": IN_FLIGHT.mean_ms("backward")}
+                "mean backward ms per chunk": IN_FLIGHT.mean_ms("backward"),
+                "first step's passes": [list(p) for p in IN_FLIGHT.first_step]}
 
     def patch_sets(self, options):
         from mm_adaptor.patches.pipeline import vpp_extra_warmup as extra

@@ -24,6 +24,7 @@ class InFlight:
         self.now = 0
         self.peak = 0
         self.schedules = 0
+        self.first_step: list = []  # the first training schedule's passes: ("F", chunk, micro-batch) or ("B",)
         self.seconds = {"forward": 0.0, "backward": 0.0}
         self.calls = {"forward": 0, "backward": 0}
 
@@ -65,6 +66,8 @@ def warmup_with_extra(extra: int):
 
 def counting_forward(wrapped, instance, args, kwargs):
     IN_FLIGHT.forward()
+    if IN_FLIGHT.schedules == 1 and torch.is_grad_enabled():
+        IN_FLIGHT.first_step.append(("F", kwargs.get("vp_stage"), kwargs.get("current_microbatch")))
     start = time.perf_counter()
     result = wrapped(*args, **kwargs)
     IN_FLIGHT.timed("forward", time.perf_counter() - start)
@@ -76,6 +79,8 @@ def counting_backward(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     IN_FLIGHT.timed("backward", time.perf_counter() - start)
     IN_FLIGHT.backward()
+    if IN_FLIGHT.schedules == 1:
+        IN_FLIGHT.first_step.append(("B",))
     return result
 
 

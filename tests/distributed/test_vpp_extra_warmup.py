@@ -27,10 +27,15 @@ def check(flags, layout, extra=(), nproc=None):
 @pytest.mark.parametrize("k,extra", [(1, []), (3, ["--bf16"])], ids=["k1-fp32", "k3-bf16"])
 def test_pp2_vpp2(k, extra):
     """Rank 0 (whose statistics the harness reports) holds its warm-up plus K plus the one in steady state, at most
-    all 8 virtual micro-batches (4 micro-batches x 2 chunks)."""
+    all 8 virtual micro-batches (4 micro-batches x 2 chunks); and it ran its passes in the order mm-adaptor schedule
+    simulates, so the simulator cannot drift from what runs."""
+    from mm_adaptor.schedule import stage_order
+
     stats = check([*FLAG, "--vpp-extra-warmup-microbatches", str(k)], "pp2-vpp2", extra)
     assert stats["peak micro-batches in flight"] == min(megatron_warmup(2, 2, 0) + k + 1, 8)
     assert stats["schedules extended"] == 4
+    simulated = [["F", op.chunk, op.microbatch] if op.kind == "F" else ["B"] for op in stage_order(2, 2, 4, 0, k)]
+    assert stats["first step's passes"] == simulated
 
 
 def test_pp4_vpp2_on_four_ranks():
