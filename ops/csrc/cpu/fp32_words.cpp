@@ -4,24 +4,19 @@
 #include <algorithm>
 #include <vector>
 
+#include "../common/fp32_words_args.h"
 #include "common.h"
 
 namespace {
 
 using namespace mm_adaptor::cpu;
+using mm_adaptor::fp32_words::check_join_args;
+using mm_adaptor::fp32_words::check_split_args;
 
 constexpr int64_t kBlock = 4096;  // a block with a word outside int16 is scanned again for its positions
 
-void check_pair(const at::Tensor& main, const at::Tensor& model) {
-  TORCH_CHECK(main.scalar_type() == at::kFloat && model.scalar_type() == at::kBFloat16,
-              "split_fp32_words: fp32 words and bf16 high halves expected, got ", main.scalar_type(), " and ",
-              model.scalar_type());
-  TORCH_CHECK(main.numel() == model.numel(), "split_fp32_words: ", main.numel(), " words but ", model.numel(),
-              " high halves");
-}
-
 std::tuple<at::Tensor, at::Tensor> split_fp32_words(const at::Tensor& main_in, const at::Tensor& model_in) {
-  check_pair(main_in, model_in);
+  check_split_args(main_in, model_in);
   const auto main = main_in.contiguous();
   const auto model = model_in.contiguous();
   const int64_t n = main.numel();
@@ -57,14 +52,8 @@ std::tuple<at::Tensor, at::Tensor> split_fp32_words(const at::Tensor& main_in, c
 
 void join_fp32_words(const at::Tensor& model, const at::Tensor& residual, const at::Tensor& index,
                      const at::Tensor& kept, const at::Tensor& out) {
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), "join_fp32_words: contiguous fp32 out expected");
-  TORCH_CHECK(model.scalar_type() == at::kBFloat16 && residual.scalar_type() == at::kShort &&
-                  index.scalar_type() == at::kLong && kept.scalar_type() == at::kInt,
-              "join_fp32_words: bf16 high halves, int16 residuals, int64 index and int32 kept words expected");
+  check_join_args(model, residual, index, kept, out);
   const int64_t n = out.numel();
-  TORCH_CHECK(model.numel() == n && residual.numel() == n && index.numel() == kept.numel(),
-              "join_fp32_words: sizes differ (out ", n, ", high halves ", model.numel(), ", residuals ",
-              residual.numel(), ", index ", index.numel(), ", kept ", kept.numel(), ")");
   const auto model_c = model.contiguous();
   const auto residual_c = residual.contiguous();
   const auto* highs = reinterpret_cast<const uint16_t*>(model_c.data_ptr());

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "../common/fp32_words_args.h"
 #include "vectorized.cuh"
 
 namespace {
@@ -56,11 +57,7 @@ int blocks_for(int64_t n) {
 }
 
 std::tuple<at::Tensor, at::Tensor> split_fp32_words_cuda(const at::Tensor& main_in, const at::Tensor& model_in) {
-  TORCH_CHECK(main_in.scalar_type() == at::kFloat && model_in.scalar_type() == at::kBFloat16,
-              "split_fp32_words: fp32 words and bf16 high halves expected, got ", main_in.scalar_type(), " and ",
-              model_in.scalar_type());
-  TORCH_CHECK(main_in.numel() == model_in.numel(), "split_fp32_words: ", main_in.numel(), " words but ",
-              model_in.numel(), " high halves");
+  mm_adaptor::fp32_words::check_split_args(main_in, model_in);
   const c10::cuda::CUDAGuard guard(main_in.device());
   const auto main = main_in.contiguous();
   const auto model = model_in.contiguous();
@@ -87,14 +84,8 @@ std::tuple<at::Tensor, at::Tensor> split_fp32_words_cuda(const at::Tensor& main_
 
 void join_fp32_words_cuda(const at::Tensor& model, const at::Tensor& residual, const at::Tensor& index,
                           const at::Tensor& kept, const at::Tensor& out) {
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), "join_fp32_words: contiguous fp32 out expected");
-  TORCH_CHECK(model.scalar_type() == at::kBFloat16 && residual.scalar_type() == at::kShort &&
-                  index.scalar_type() == at::kLong && kept.scalar_type() == at::kInt,
-              "join_fp32_words: bf16 high halves, int16 residuals, int64 index and int32 kept words expected");
+  mm_adaptor::fp32_words::check_join_args(model, residual, index, kept, out);
   const int64_t n = out.numel();
-  TORCH_CHECK(model.numel() == n && residual.numel() == n && index.numel() == kept.numel(),
-              "join_fp32_words: sizes differ (out ", n, ", high halves ", model.numel(), ", residuals ",
-              residual.numel(), ", index ", index.numel(), ", kept ", kept.numel(), ")");
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
   const auto model_c = model.contiguous();
