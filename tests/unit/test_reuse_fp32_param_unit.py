@@ -6,6 +6,7 @@ import argparse
 import pytest
 import torch
 
+from plain_optimizer_step import plain_step_on_shared_grads
 from refusals import assert_refused_in_one_line
 
 from mm_adaptor.ops import fp32_words
@@ -131,12 +132,7 @@ def test_batched_step_matches_the_plain_optimizer_bit_for_bit(budget_bytes):
     assert all(m.untyped_storage().nbytes() == 0 for m in mains), "the main copies are released between steps"
     g = torch.Generator().manual_seed(2)
     for _ in range(5):
-        for a, b in zip([*mains_ref, fp32_ref], [*mains, fp32]):
-            a.grad = torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
-        ref.step()
-        for model, main in zip(models_ref, mains_ref):
-            model.copy_(main.detach())
+        plain_step_on_shared_grads(ref, [*mains_ref, fp32_ref], [*mains, fp32], models_ref, g)
         reused.step()
         assert [m.untyped_storage().nbytes() for m in mains] == [0] * len(mains)
         for a, b in zip(models_ref, models):

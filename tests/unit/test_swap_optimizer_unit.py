@@ -4,6 +4,8 @@ copies; the step fetches batch n + 1 before updating batch n, and gives the plai
 import pytest
 import torch
 
+from plain_optimizer_step import plain_step_on_shared_grads
+
 from mm_adaptor import devices
 from mm_adaptor.patches.optimizer.swap_optimizer import SwappedOptimizerState
 
@@ -37,12 +39,7 @@ def test_swapped_step_matches_the_plain_optimizer(budget_bytes):
     g = torch.Generator().manual_seed(1)
     for step in range(3):
         state.release_mains_for_grads()
-        for a, b in zip(mains_ref, mains):
-            a.grad = torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
-        ref.step()
-        for model, main in zip(models_ref, mains_ref):
-            model.copy_(main.detach())
+        plain_step_on_shared_grads(ref, mains_ref, mains, models_ref, g)
         order.clear()
         state.step()
         state.mains_back_to_host()
