@@ -1,8 +1,9 @@
 """What the optimizer-state features (--reuse-fp32-param, --swap-optimizer, --virtual-optimizer) share: their
-refusals and a feature base that reports its wrappers' statistics. Not a feature module (the leading underscore
+refusals, a feature base that reports its wrappers' statistics, and one for the two whose step handles the
+state in batches of --<feature>-batch-mb MiB. Not a feature module (the leading underscore
 keeps discovery away)."""
 
-from mm_adaptor.features import Feature
+from mm_adaptor.features import Feature, FeatureConfigError, Flag
 
 # Megatron flags (and ours) that also decide where the main parameters or moments live.
 OWNERS_OF_OPTIMIZER_STATE = (("--use-precision-aware-optimizer", "use_precision_aware_optimizer"),
@@ -16,6 +17,31 @@ class OptimizerStateFeature(Feature):
     def statistics(self):
         patches = getattr(self, "patches", None)
         return patches.statistics() if patches is not None else None
+
+
+class BatchedOptimizerStateFeature(OptimizerStateFeature):
+    """flags = (the feature's switch, its batch size in MiB); without the second, default_budget_mb. Subclasses
+    give refusal(options), wrappers(budget_bytes) and patch_set(wrappers)."""
+
+    default_budget_mb = 256
+
+    @property
+    def budget_flag(self) -> Flag:
+        return self.flags[1]
+
+    def is_enabled(self, options) -> bool:
+        return super().is_enabled(options) or getattr(options, self.budget_flag.dest, None) is not None
+
+    def validate(self, options):
+        refusal = budget_refusal(options, self.main_flag.dest, self.main_flag.option, self.budget_flag.option) or \
+            self.refusal(options)
+        if refusal:
+            raise FeatureConfigError(refusal)
+
+    def patch_sets(self, options):
+        budget_mb = getattr(options, self.budget_flag.dest, None) or self.default_budget_mb
+        self.patches = self.wrappers(budget_bytes=budget_mb * 2**20)
+        return [self.patch_set(self.patches)]
 
 
 def budget_refusal(options, main_dest: str, main_flag: str, budget_flag: str) -> str | None:

@@ -1,8 +1,8 @@
 """--reuse-fp32-param: in a bf16 run, each fp32 main parameter is kept as the model's own bf16 value plus a 2-byte
 residual, not as a separate 4-byte copy; restored exactly, a batch at a time, for the optimizer step."""
 
-from mm_adaptor.feature_flags._optimizer_state import OptimizerStateFeature, budget_refusal, state_owner_refusal
-from mm_adaptor.features import FeatureConfigError, Flag, Tolerance, register
+from mm_adaptor.feature_flags._optimizer_state import BatchedOptimizerStateFeature, state_owner_refusal
+from mm_adaptor.features import Flag, Tolerance, register
 
 MAIN = "--reuse-fp32-param"
 BUDGET = "--reuse-fp32-param-batch-mb"
@@ -10,8 +10,9 @@ DEFAULT_BUDGET_MB = 256
 
 
 @register
-class ReuseFp32Param(OptimizerStateFeature):
+class ReuseFp32Param(BatchedOptimizerStateFeature):
     name = "reuse-fp32-param"
+    default_budget_mb = DEFAULT_BUDGET_MB
     description = ("bf16 runs: the fp32 main parameters are kept as the model's bf16 parameters (their high halves) "
                    "plus 2-byte residuals, saving 2 bytes per main-parameter element; the optimizer step restores "
                    "them exactly, a bounded batch at a time")
@@ -23,22 +24,16 @@ class ReuseFp32Param(OptimizerStateFeature):
     tolerance = Tolerance(exact=True, why="the split keeps every bit of each fp32 word, and the same optimizer "
                                           "updates the same values")
 
-    def is_enabled(self, options) -> bool:
-        return bool(getattr(options, "reuse_fp32_param", False)) or getattr(options, "reuse_fp32_param_batch_mb",
-                                                                            None) is not None
+    def refusal(self, options):
+        return refusal_for(options)
 
-    def validate(self, options):
-        refusal = refusal_for(options)
-        if refusal:
-            raise FeatureConfigError(refusal)
-
-    def patch_sets(self, options):
+    def wrappers(self, budget_bytes):
         from mm_adaptor.patches.optimizer import reuse_fp32_param as reuse
 
-        budget = getattr(options, "reuse_fp32_param_batch_mb", None)
-        self.patches = reuse.Patches(budget_bytes=(budget or DEFAULT_BUDGET_MB) * 2**20)
-        return [patch_set(self.name, self.patches)]
+        return reuse.Patches(budget_bytes=budget_bytes)
 
+    def patch_set(self, wrappers):
+        return patch_set(self.name, wrappers)
 
 
 def patch_set(name: str, patches):
@@ -58,10 +53,7 @@ def patch_set(name: str, patches):
 
 
 def refusal_for(options) -> str | None:
-    """One line naming the flags that cannot work together, or None."""
-    refusal = budget_refusal(options, "reuse_fp32_param", MAIN, BUDGET)
-    if refusal:
-        return refusal
+    """One line naming the flags that cannot work together (the batch flag aside), or None."""
     if getattr(options, "fp16", False):
         return f"{MAIN} keeps fp32 main parameters as bf16 high halves: it needs --bf16, not --fp16"
     if not getattr(options, "bf16", False):

@@ -1,8 +1,8 @@
 """--swap-optimizer [--swap-optimizer-batch-mb N]: the distributed optimizer's fp32 main-parameter shards and Adam's
 moments wait in pinned host memory between steps; the step streams them through the device in batches."""
 
-from mm_adaptor.feature_flags._optimizer_state import OptimizerStateFeature, budget_refusal, state_owner_refusal
-from mm_adaptor.features import FeatureConfigError, Flag, Tolerance, register
+from mm_adaptor.feature_flags._optimizer_state import BatchedOptimizerStateFeature, state_owner_refusal
+from mm_adaptor.features import Flag, Tolerance, register
 
 MAIN = "--swap-optimizer"
 BUDGET = "--swap-optimizer-batch-mb"
@@ -10,8 +10,9 @@ DEFAULT_BUDGET_MB = 256
 
 
 @register
-class SwapOptimizer(OptimizerStateFeature):
+class SwapOptimizer(BatchedOptimizerStateFeature):
     name = "swap-optimizer"
+    default_budget_mb = DEFAULT_BUDGET_MB
     description = ("the distributed optimizer's fp32 main-parameter shards (bf16 and fp16 runs) and Adam's moments "
                    "stay in pinned host memory between steps; the step copies batches to the device on one stream "
                    "while the previous batch is updated, and back on another (12 bytes per shard element off the "
@@ -23,22 +24,16 @@ class SwapOptimizer(OptimizerStateFeature):
     )
     tolerance = Tolerance(exact=True, why="the same Adam updates the same values on the device; copies are exact")
 
-    def is_enabled(self, options) -> bool:
-        return bool(getattr(options, "swap_optimizer", False)) or getattr(options, "swap_optimizer_batch_mb",
-                                                                          None) is not None
+    def refusal(self, options):
+        return refusal_for(options)
 
-    def validate(self, options):
-        refusal = budget_refusal(options, "swap_optimizer", MAIN, BUDGET) or refusal_for(options)
-        if refusal:
-            raise FeatureConfigError(refusal)
-
-    def patch_sets(self, options):
+    def wrappers(self, budget_bytes):
         from mm_adaptor.patches.optimizer import swap_optimizer as swap
 
-        budget = getattr(options, "swap_optimizer_batch_mb", None)
-        self.patches = swap.Patches(budget_bytes=(budget or DEFAULT_BUDGET_MB) * 2**20)
-        return [patch_set(self.name, self.patches)]
+        return swap.Patches(budget_bytes=budget_bytes)
 
+    def patch_set(self, wrappers):
+        return patch_set(self.name, wrappers)
 
 
 def patch_set(name: str, patches):
