@@ -3,6 +3,8 @@ refusals, a feature base that reports its wrappers' statistics, and one for the 
 state in batches of --<feature>-batch-mb MiB. Not a feature module (the leading underscore
 keeps discovery away)."""
 
+from importlib import import_module
+
 from mm_adaptor.features import Feature, FeatureConfigError, Flag
 
 # Megatron flags (and ours) that also decide where the main parameters or moments live.
@@ -20,10 +22,11 @@ class OptimizerStateFeature(Feature):
 
 
 class BatchedOptimizerStateFeature(OptimizerStateFeature):
-    """flags = (the feature's switch, its batch size in MiB); without the second, default_budget_mb. Subclasses
-    give refusal(options), wrappers(budget_bytes) and patch_set(wrappers)."""
+    """flags = (the feature's switch, its batch size in MiB). Subclasses name wrappers_module (whose Patches take
+    budget_bytes) and give refusal(options) and patch_set(name, wrappers)."""
 
-    default_budget_mb = 256
+    default_budget_mb: int
+    wrappers_module: str
 
     @property
     def budget_flag(self) -> Flag:
@@ -33,24 +36,23 @@ class BatchedOptimizerStateFeature(OptimizerStateFeature):
         return super().is_enabled(options) or getattr(options, self.budget_flag.dest, None) is not None
 
     def validate(self, options):
-        refusal = budget_refusal(options, self.main_flag.dest, self.main_flag.option, self.budget_flag.option) or \
-            self.refusal(options)
+        refusal = budget_refusal(options, self.main_flag, self.budget_flag) or self.refusal(options)
         if refusal:
             raise FeatureConfigError(refusal)
 
     def patch_sets(self, options):
         budget_mb = getattr(options, self.budget_flag.dest, None) or self.default_budget_mb
-        self.patches = self.wrappers(budget_bytes=budget_mb * 2**20)
-        return [self.patch_set(self.patches)]
+        self.patches = import_module(self.wrappers_module).Patches(budget_bytes=budget_mb * 2**20)
+        return [self.patch_set(self.name, self.patches)]
 
 
-def budget_refusal(options, main_dest: str, main_flag: str, budget_flag: str) -> str | None:
+def budget_refusal(options, main: Flag, budget_flag: Flag) -> str | None:
     """The batch-size flag of an optimizer-state feature: only with its feature, and at least 1 MiB."""
-    budget = getattr(options, budget_flag.lstrip("-").replace("-", "_"), None)
-    if budget is not None and not getattr(options, main_dest, False):
-        return f"{budget_flag} needs {main_flag}: add {main_flag} or drop {budget_flag}"
+    budget = getattr(options, budget_flag.dest, None)
+    if budget is not None and not getattr(options, main.dest, False):
+        return f"{budget_flag.option} needs {main.option}: add {main.option} or drop {budget_flag.option}"
     if budget is not None and budget < 1:
-        return f"{budget_flag} {budget} is below 1: give the MiB of optimizer state the step handles at once"
+        return f"{budget_flag.option} {budget} is below 1: give the MiB of optimizer state the step handles at once"
     return None
 
 

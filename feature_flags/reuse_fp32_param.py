@@ -9,33 +9,6 @@ BUDGET = "--reuse-fp32-param-batch-mb"
 DEFAULT_BUDGET_MB = 256
 
 
-@register
-class ReuseFp32Param(BatchedOptimizerStateFeature):
-    name = "reuse-fp32-param"
-    default_budget_mb = DEFAULT_BUDGET_MB
-    description = ("bf16 runs: the fp32 main parameters are kept as the model's bf16 parameters (their high halves) "
-                   "plus 2-byte residuals, saving 2 bytes per main-parameter element; the optimizer step restores "
-                   "them exactly, a bounded batch at a time")
-    flags = (
-        Flag(MAIN, description),
-        Flag(BUDGET, f"fp32 main parameters restored at once during the step, in MiB (default {DEFAULT_BUDGET_MB}; "
-                     "a larger parameter is restored alone)", type=int, default=None),
-    )
-    tolerance = Tolerance(exact=True, why="the split keeps every bit of each fp32 word, and the same optimizer "
-                                          "updates the same values")
-
-    def refusal(self, options):
-        return refusal_for(options)
-
-    def wrappers(self, budget_bytes):
-        from mm_adaptor.patches.optimizer import reuse_fp32_param as reuse
-
-        return reuse.Patches(budget_bytes=budget_bytes)
-
-    def patch_set(self, wrappers):
-        return patch_set(self.name, wrappers)
-
-
 def patch_set(name: str, patches):
     from mm_adaptor.patches.optimizer import reuse_fp32_param as reuse
     from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
@@ -59,3 +32,23 @@ def refusal_for(options) -> str | None:
     if not getattr(options, "bf16", False):
         return f"{MAIN} needs --bf16 (without it there is no separate fp32 main copy to fold away)"
     return state_owner_refusal(options, MAIN, (("--fp8-format", "fp8"), ("--swap-optimizer", "swap_optimizer")))
+
+
+@register
+class ReuseFp32Param(BatchedOptimizerStateFeature):
+    name = "reuse-fp32-param"
+    default_budget_mb = DEFAULT_BUDGET_MB
+    wrappers_module = "mm_adaptor.patches.optimizer.reuse_fp32_param"
+    description = ("bf16 runs: the fp32 main parameters are kept as the model's bf16 parameters (their high halves) "
+                   "plus 2-byte residuals, saving 2 bytes per main-parameter element; the optimizer step restores "
+                   "them exactly, a bounded batch at a time")
+    flags = (
+        Flag(MAIN, description),
+        Flag(BUDGET, f"fp32 main parameters restored at once during the step, in MiB (default {DEFAULT_BUDGET_MB}; "
+                     "a larger parameter is restored alone)", type=int, default=None),
+    )
+    tolerance = Tolerance(exact=True, why="the split keeps every bit of each fp32 word, and the same optimizer "
+                                          "updates the same values")
+
+    refusal = staticmethod(refusal_for)
+    patch_set = staticmethod(patch_set)

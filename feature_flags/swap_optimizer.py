@@ -9,33 +9,6 @@ BUDGET = "--swap-optimizer-batch-mb"
 DEFAULT_BUDGET_MB = 256
 
 
-@register
-class SwapOptimizer(BatchedOptimizerStateFeature):
-    name = "swap-optimizer"
-    default_budget_mb = DEFAULT_BUDGET_MB
-    description = ("the distributed optimizer's fp32 main-parameter shards (bf16 and fp16 runs) and Adam's moments "
-                   "stay in pinned host memory between steps; the step copies batches to the device on one stream "
-                   "while the previous batch is updated, and back on another (12 bytes per shard element off the "
-                   "device, 8 in fp32 runs)")
-    flags = (
-        Flag(MAIN, description),
-        Flag(BUDGET, f"optimizer state per batch of the step, in MiB (default {DEFAULT_BUDGET_MB}; a larger "
-                     "parameter goes alone; two batches are on the device at a time)", type=int, default=None),
-    )
-    tolerance = Tolerance(exact=True, why="the same Adam updates the same values on the device; copies are exact")
-
-    def refusal(self, options):
-        return refusal_for(options)
-
-    def wrappers(self, budget_bytes):
-        from mm_adaptor.patches.optimizer import swap_optimizer as swap
-
-        return swap.Patches(budget_bytes=budget_bytes)
-
-    def patch_set(self, wrappers):
-        return patch_set(self.name, wrappers)
-
-
 def patch_set(name: str, patches):
     from mm_adaptor.patches.optimizer import reuse_fp32_param as reuse
     from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
@@ -53,3 +26,23 @@ def refusal_for(options) -> str | None:
         return f"{MAIN} streams the distributed optimizer's shards: add --use-distributed-optimizer"
     return state_owner_refusal(options, MAIN, (("--reuse-fp32-param", "reuse_fp32_param"),
                                                 ("--virtual-optimizer", "virtual_optimizer")))
+
+
+@register
+class SwapOptimizer(BatchedOptimizerStateFeature):
+    name = "swap-optimizer"
+    default_budget_mb = DEFAULT_BUDGET_MB
+    wrappers_module = "mm_adaptor.patches.optimizer.swap_optimizer"
+    description = ("the distributed optimizer's fp32 main-parameter shards (bf16 and fp16 runs) and Adam's moments "
+                   "stay in pinned host memory between steps; the step copies batches to the device on one stream "
+                   "while the previous batch is updated, and back on another (12 bytes per shard element off the "
+                   "device, 8 in fp32 runs)")
+    flags = (
+        Flag(MAIN, description),
+        Flag(BUDGET, f"optimizer state per batch of the step, in MiB (default {DEFAULT_BUDGET_MB}; a larger "
+                     "parameter goes alone; two batches are on the device at a time)", type=int, default=None),
+    )
+    tolerance = Tolerance(exact=True, why="the same Adam updates the same values on the device; copies are exact")
+
+    refusal = staticmethod(refusal_for)
+    patch_set = staticmethod(patch_set)

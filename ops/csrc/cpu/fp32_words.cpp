@@ -10,13 +10,11 @@
 namespace {
 
 using namespace mm_adaptor::cpu;
-using mm_adaptor::fp32_words::check_join_args;
-using mm_adaptor::fp32_words::check_split_args;
 
 constexpr int64_t kBlock = 4096;  // a block with a word outside int16 is scanned again for its positions
 
 std::tuple<at::Tensor, at::Tensor> split_fp32_words(const at::Tensor& main_in, const at::Tensor& model_in) {
-  check_split_args(main_in, model_in);
+  mm_adaptor::fp32_words::check_split_args(main_in, model_in);
   const auto main = main_in.contiguous();
   const auto model = model_in.contiguous();
   const int64_t n = main.numel();
@@ -52,7 +50,7 @@ std::tuple<at::Tensor, at::Tensor> split_fp32_words(const at::Tensor& main_in, c
 
 void join_fp32_words(const at::Tensor& model, const at::Tensor& residual, const at::Tensor& index,
                      const at::Tensor& kept, const at::Tensor& out) {
-  check_join_args(model, residual, index, kept, out);
+  mm_adaptor::fp32_words::check_join_args(model, residual, index, kept, out);
   const int64_t n = out.numel();
   const auto model_c = model.contiguous();
   const auto residual_c = residual.contiguous();
