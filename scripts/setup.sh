@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with the CPU build of PyTorch, megatron-core 0.16.x and mm_adaptor (editable) with test extras.
+# Create .venv with the CPU build of PyTorch, megatron-core 0.16.x and mm_adaptor (editable) with the test and vlm extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -10,4 +10,4 @@ fi
 . .venv/bin/activate
 # Install torch first so the dependency resolver keeps this build (no CUDA wheel is pulled in).
 python -c "import torch" 2>/dev/null || python -m pip install -q "$TORCH_SPEC"
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[test,vlm]"

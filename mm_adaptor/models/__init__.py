@@ -1,0 +1,1 @@
+"""Vision-language models built from megatron-core modules, one package per family."""
