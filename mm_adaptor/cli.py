@@ -360,6 +360,12 @@ def _schedule_main(argv: list[str]) -> int:
     return schedule_main(argv)
 
 
+def _convert_main(argv: list[str]) -> int:
+    from mm_adaptor.convert.cli import main as convert_main
+
+    return convert_main(argv)
+
+
 COMMANDS = {
     "report": (report_main, "versions, device backend, native ops and every feature"),
     "train": (_train_main, "train the built-in tiny GPT (see mm-adaptor train --help)"),
@@ -367,6 +373,7 @@ COMMANDS = {
     "calibrate": (calibrate_main, "measure Megatron's rounding noise, which sets check's inexact thresholds"),
     "fingerprint": (fingerprint_main, "print the contract fingerprint of dotted targets (for patch authors)"),
     "build-ops": (build_ops_main, "build the native ops ahead of time"),
+    "convert": (_convert_main, "convert checkpoints: hf-to-mcore, mcore-to-hf (see mm-adaptor convert --help)"),
     "schedule": (_schedule_main, "simulate pipeline schedules: step time, bubble, memory, timeline picture"),
 }
 
