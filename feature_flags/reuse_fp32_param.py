@@ -11,18 +11,12 @@ DEFAULT_BUDGET_MB = 256
 
 def patch_set(name: str, patches):
     from mm_adaptor.patches.optimizer import reuse_fp32_param as reuse
-    from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+    from mm_adaptor.patches.optimizer import state_holder as holder
 
-    contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
-    ps = PatchSet(name)
-    for target in reuse.INITS:
-        ps.wrap(target, patches.init, contract=contract)
-    ps.wrap(reuse.STEP, patches.step_with_ready_grads, contract=contract)
-    for target in reuse.ZERO_GRADS:
-        ps.wrap(target, patches.zero_grad, contract=contract)
-    for target in reuse.READERS_AND_WRITERS:
-        ps.wrap(target, patches.whole_meanwhile, contract=contract)
-    return ps
+    return holder.holder_patch_set(name, patches, extra=[
+        *((target, patches.zero_grad) for target in reuse.ZERO_GRADS),
+        *((target, patches.whole_meanwhile) for target in reuse.WRITERS),
+        *((target, patches.readable_meanwhile) for target in reuse.READERS)])
 
 
 def refusal_for(options) -> str | None:

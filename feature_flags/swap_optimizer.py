@@ -10,15 +10,10 @@ DEFAULT_BUDGET_MB = 256
 
 
 def patch_set(name: str, patches):
-    from mm_adaptor.patches.optimizer import reuse_fp32_param as reuse
-    from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+    from mm_adaptor.patches.optimizer import state_holder as holder
 
-    contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
-    ps = PatchSet(name)
-    ps.wrap(f"{reuse.DISTRIBUTED}.__init__", patches.init, contract=contract)
-    ps.wrap(f"{reuse.OPTIMIZER}.MixedPrecisionOptimizer.prepare_grads", patches.prepare_grads, contract=contract)
-    ps.wrap(reuse.STEP, patches.step_with_ready_grads, contract=contract)
-    return ps
+    return holder.holder_patch_set(name, patches, inits=(f"{holder.DISTRIBUTED}.__init__",), extra=[
+        (f"{holder.OPTIMIZER}.MixedPrecisionOptimizer.prepare_grads", patches.prepare_grads)])
 
 
 def refusal_for(options) -> str | None:

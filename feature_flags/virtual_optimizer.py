@@ -38,13 +38,6 @@ class VirtualOptimizer(OptimizerStateFeature):
 
 def patch_set(name: str, patches):
     """The wraps that give `patches` every megatron optimizer (fp32 ones included) and their steps."""
-    from mm_adaptor.patches.optimizer import reuse_fp32_param as reuse
-    from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+    from mm_adaptor.patches.optimizer import state_holder as holder
 
-    contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
-    ps = PatchSet(name)
-    for target in (*reuse.INITS, f"{reuse.OPTIMIZER}.FP32Optimizer.__init__"):
-        ps.wrap(target, patches.init, contract=contract)
-    for target in (reuse.STEP, f"{reuse.OPTIMIZER}.FP32Optimizer.step_with_ready_grads"):
-        ps.wrap(target, patches.step_with_ready_grads, contract=contract)
-    return ps
+    return holder.holder_patch_set(name, patches)

@@ -55,34 +55,3 @@ def step_in_batches(inner: torch.optim.Optimizer, batches: list[list[torch.Tenso
         for group, params, setting in zip(groups, originals, settled):
             _settle(group, setting)
             group["params"] = params
-
-
-def state_holder(optimizer):
-    """The object a feature attached to a megatron optimizer (HolderPatches.attach), or None."""
-    from mm_adaptor.memory import STATE_HOLDER
-
-    return getattr(optimizer, STATE_HOLDER, None)
-
-
-class HolderPatches:
-    """Base of an optimizer-state feature's wrappers: the holders it attached (one per megatron optimizer, under
-    mm_adaptor.memory.STATE_HOLDER) and their statistics summed (steps: the most any holder took)."""
-
-    def __init__(self, **options):
-        self.options = options
-        self.attached: list = []
-
-    def attach(self, optimizer, holder) -> None:
-        from mm_adaptor.memory import STATE_HOLDER
-
-        setattr(optimizer, STATE_HOLDER, holder)
-        self.attached.append(holder)
-
-    def statistics(self) -> dict | None:
-        if not self.attached:
-            return None
-        totals: dict = {}
-        for holder in self.attached:
-            for key, value in holder.statistics().items():
-                totals[key] = max(totals.get(key, 0), value) if key == "steps" else totals.get(key, 0) + value
-        return totals

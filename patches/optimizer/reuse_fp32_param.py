@@ -7,16 +7,21 @@ the result into the model as megatron does (round to nearest even), splits it ag
 exact for any pair of values: a word whose difference to its bf16 high half does not fit 16 bits (a tie rounded
 to even, a NaN) is kept whole in a short exception list.
 
-Anything else that reads or writes the main parameters (checkpoint save and load, reloading them from the model)
-finds them whole: they are restored on entry and split again at the next zero_grad (or step)."""
+Anything else that writes the main parameters (checkpoint load, reloading them from the model) finds them whole on
+the device; a checkpoint save, which only reads them, finds them whole in host memory, restored a bounded batch at
+a time. Either way they are split (or the host copies dropped) at the next zero_grad or step.
+
+The policy of the holder's "mains" slot (patches.optimizer.state_holder), so it composes with a moments policy
+(--virtual-optimizer)."""
 
 from __future__ import annotations
 
 import torch
 
-from mm_adaptor.patches.optimizer.batched_step import HolderPatches, batches_by_bytes, state_holder, step_in_batches
-
 from mm_adaptor.ops.fp32_words import join_fp32_words, split_fp32_words
+from mm_adaptor.patches.optimizer.batched_step import batches_by_bytes
+from mm_adaptor.patches.optimizer.state_holder import DISTRIBUTED, FLOAT16, OPTIMIZER, HolderPatches, holder_of, \
+    main_and_model_pairs
 
 
 def split_words(main: torch.Tensor, model: torch.Tensor, keep_low_bits: bool = True):
@@ -30,15 +35,23 @@ def split_words(main: torch.Tensor, model: torch.Tensor, keep_low_bits: bool = T
 
 
 class ReusedMainParams:
-    """The main parameters of one megatron optimizer, kept as residuals of its model parameters."""
+    """The main parameters of one megatron optimizer, kept as residuals of its model parameters: the holder's
+    policy for the "mains" slot."""
 
-    def __init__(self, pairs, inner_optimizer, *, budget_bytes: int, keep_low_bits: bool = True):
+    slots = ("mains",)
+    releases_mains = True
+
+    def __init__(self, pairs, *, budget_bytes: int, keep_low_bits: bool = True, host_device="cpu"):
         self.pairs = [(main, model) for main, model in pairs if main is not None and main.numel()]
-        self.inner = inner_optimizer
+        self.index = {id(main): i for i, (main, _) in enumerate(self.pairs)}
         self.budget_bytes = budget_bytes
         self.keep_low_bits = keep_low_bits
+        self.host_device = torch.device(host_device)
         self.splits: list = [None] * len(self.pairs)
+        self.snapshot = False  # the main parameters are read-only host copies; their splits stay valid
         self.steps = 0
+        self.most_joined_bytes = 0  # whole on the device at once for a save
+        self._batches: list[list[int]] = []
         for i in range(len(self.pairs)):
             self._split(i)
 
@@ -58,12 +71,47 @@ class ReusedMainParams:
         self.splits[i] = None
 
     # -- all pairs ---------------------------------------------------------------------------------------------
-    def join_all(self) -> None:
+    def drop_snapshot(self) -> None:
+        """The host copies a save read are dropped; each main parameter is again a device tensor without storage."""
+        if not self.snapshot:
+            return
+        for i, (main, model) in enumerate(self.pairs):
+            if not self._whole(i):
+                main.data = torch.empty(main.shape, dtype=main.dtype, device=model.device)
+                main.untyped_storage().resize_(0)
+        self.snapshot = False
+
+    def whole(self) -> None:
+        """Every main parameter whole on the device (something may write them); split again at the next
+        zero_grad or step."""
+        self.drop_snapshot()
         for i in range(len(self.pairs)):
             if not self._whole(i):
                 self._join(i)
 
+    join_all = whole
+
+    def readable(self) -> None:
+        """Every main parameter readable (a checkpoint save) without all of them whole on the device: a bounded
+        batch at a time is joined on the device and copied to host memory. The splits stay valid; the host
+        copies go at the next zero_grad or step."""
+        if self.snapshot:
+            return
+        for batch in self.batches():
+            joined = 0
+            for i in batch:
+                if self._whole(i):
+                    continue
+                main, model = self.pairs[i]
+                whole = torch.empty(main.shape, dtype=main.dtype, device=model.device)
+                join_fp32_words(whole, model.detach(), *self.splits[i])
+                joined += whole.numel() * whole.element_size()
+                main.data = whole if whole.device == self.host_device else whole.to(self.host_device)
+            self.most_joined_bytes = max(self.most_joined_bytes, joined)
+        self.snapshot = True
+
     def split_all(self) -> None:
+        self.drop_snapshot()
         for i in range(len(self.pairs)):
             if self._whole(i):
                 self._split(i)
@@ -71,102 +119,95 @@ class ReusedMainParams:
     def batches(self) -> list[list[int]]:
         return batches_by_bytes([main for main, _ in self.pairs], self.budget_bytes)
 
-    @torch.no_grad()
-    def step(self) -> None:
-        """The inner optimizer's step, one batch of restored main parameters at a time; then each batch goes to
-        the model (megatron's copy: round to nearest even) and is split again."""
-        batches = self.batches()
+    # -- the holder's step -------------------------------------------------------------------------------------
+    def batch_limit(self):
+        return self.budget_bytes, 4
 
-        def join(n):
-            for i in batches[n]:
-                if not self._whole(i):
-                    self._join(i)
+    def begin_step(self, batches) -> None:
+        self.drop_snapshot()
+        self._batches = [[self.index[id(p)] for p in batch if id(p) in self.index] for batch in batches]
 
-        def copy_to_model_and_split(n):
-            for i in batches[n]:
-                main, model = self.pairs[i]
-                model.detach().copy_(main.detach())
-                self._split(i)
+    def before(self, n) -> None:
+        for i in self._batches[n]:
+            if not self._whole(i):
+                self._join(i)
 
-        step_in_batches(self.inner, [[self.pairs[i][0] for i in batch] for batch in batches], join,
-                        copy_to_model_and_split)
+    def after(self, n) -> None:  # the holder copied the batch into the model (megatron's round to nearest even)
+        for i in self._batches[n]:
+            self._split(i)
+
+    def end_step(self) -> None:
         self.steps += 1
 
     # -- accounting --------------------------------------------------------------------------------------------
     def state_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
-        """What holds the main parameters now: residuals and exceptions, or the main parameter when kept whole
-        (mm_adaptor.memory.STATE_HOLDER)."""
-        tensors = []
+        """What holds the main parameters now (mm_adaptor.memory.STATE_HOLDER): residuals and exceptions, the
+        main parameter when whole, and a save's host copy."""
+        held = []
         for i, (main, _model) in enumerate(self.pairs):
-            tensors += [main] if self._whole(i) else [t for t in self.splits[i] if t.numel()]
-        return [("optimizer_main_param_bytes", "device", t) for t in tensors]
+            if self._whole(i):
+                held.append(("device", main))
+                continue
+            held += [("device", t) for t in self.splits[i] if t.numel()]
+            if self.snapshot:
+                held.append(("host", main))
+        return [("optimizer_main_param_bytes", residence, t) for residence, t in held]
 
     def statistics(self) -> dict:
         return {"main_params": len(self.pairs), "main_param_elements": sum(m.numel() for m, _ in self.pairs),
                 "exceptions": sum(s[1].numel() for s in self.splits if s is not None),
-                "batches_per_step": len(self.batches()), "steps": self.steps}
+                "batches_per_step": len(self.batches()), "steps": self.steps,
+                "most_main_param_bytes_whole_for_a_save": self.most_joined_bytes}
 
 
-def main_and_model_pairs(optimizer):
-    """(fp32 main, bf16 model values it rounds into) of a Float16OptimizerWithFloat16Params or a
-    DistributedOptimizer (there: this rank's shard of each parameter, inside the DDP parameter buffer)."""
-    if hasattr(optimizer, "shard_fp32_from_float16_groups"):
-        mains, models = optimizer.shard_fp32_from_float16_groups, optimizer.shard_float16_groups
-    else:
-        mains, models = optimizer.fp32_from_float16_groups, optimizer.float16_groups
-    return [pair for main_group, model_group in zip(mains, models) for pair in zip(main_group, model_group)]
+def _reused(optimizer):
+    holder = holder_of(optimizer)
+    return holder.mains if holder is not None and isinstance(holder.mains, ReusedMainParams) else None
 
 
 class Patches(HolderPatches):
     """The wrappers that keep an optimizer's main parameters as residuals; `options`: what ReusedMainParams
     takes besides the pairs (budget_bytes, keep_low_bits)."""
 
-    def init(self, wrapped, instance, args, kwargs):
-        wrapped(*args, **kwargs)
-        if getattr(instance, "is_stub_optimizer", False) or not instance.config.bf16:
-            return
-        self.attach(instance, ReusedMainParams(main_and_model_pairs(instance), instance.optimizer, **self.options))
-
-    @staticmethod
-    def step_with_ready_grads(wrapped, instance, args, kwargs):
-        reused = state_holder(instance)
-        if reused is None:
-            return wrapped(*args, **kwargs)
-        reused.step()  # megatron's inner step and main-to-model copy, batch by batch
-        return True
+    def make_policy(self, optimizer):
+        return ReusedMainParams(main_and_model_pairs(optimizer), **self.options) if optimizer.config.bf16 else None
 
     @staticmethod
     def whole_meanwhile(wrapped, instance, args, kwargs):
-        """For methods that read or write main parameters: they find them whole (split at the next zero_grad)."""
-        reused = state_holder(instance)
+        """For methods that write main parameters: they find them whole on the device."""
+        reused = _reused(instance)
         if reused is not None:
-            reused.join_all()
+            reused.whole()
+        return wrapped(*args, **kwargs)
+
+    @staticmethod
+    def readable_meanwhile(wrapped, instance, args, kwargs):
+        """For methods that only read them (a checkpoint save): whole in host memory, a batch at a time."""
+        reused = _reused(instance)
+        if reused is not None:
+            reused.readable()
         return wrapped(*args, **kwargs)
 
     @staticmethod
     def zero_grad(wrapped, instance, args, kwargs):
-        reused = state_holder(instance)
+        reused = _reused(instance)
         if reused is not None:
             reused.split_all()
         return wrapped(*args, **kwargs)
 
 
-
-OPTIMIZER = "megatron.core.optimizer.optimizer"
-DISTRIBUTED = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
-FLOAT16 = f"{OPTIMIZER}.Float16OptimizerWithFloat16Params"
-# Methods that read or write main parameters outside the step, where each is defined.
-READERS_AND_WRITERS = (
+# Methods that write main parameters outside the step (or read and write them), where each is defined.
+WRITERS = (
     f"{OPTIMIZER}.MegatronOptimizer.offload_to_cpu",
     f"{OPTIMIZER}.MegatronOptimizer.restore_from_cpu",
-    f"{FLOAT16}.state_dict", f"{FLOAT16}.sharded_state_dict", f"{FLOAT16}.load_state_dict",
-    f"{FLOAT16}._copy_main_params_to_model_params", f"{FLOAT16}._copy_model_params_to_main_params",
-    f"{DISTRIBUTED}.sharded_state_dict", f"{DISTRIBUTED}.load_state_dict",
-    f"{DISTRIBUTED}._copy_main_params_to_model_params", f"{DISTRIBUTED}._copy_main_params_to_param_buffer",
-    f"{DISTRIBUTED}._copy_model_params_to_main_params",
-    f"{DISTRIBUTED}.save_parameter_state", f"{DISTRIBUTED}.load_parameter_state",
+    f"{FLOAT16}.load_state_dict", f"{FLOAT16}._copy_model_params_to_main_params",
+    f"{DISTRIBUTED}.load_state_dict", f"{DISTRIBUTED}._copy_main_params_to_param_buffer",
+    f"{DISTRIBUTED}._copy_model_params_to_main_params", f"{DISTRIBUTED}.load_parameter_state",
+)
+# Methods that only read them (a checkpoint save).
+READERS = (
+    f"{FLOAT16}.state_dict", f"{FLOAT16}.sharded_state_dict", f"{DISTRIBUTED}.sharded_state_dict",
+    f"{DISTRIBUTED}.save_parameter_state",
     f"{DISTRIBUTED}.get_parameter_state_dp_zero", f"{DISTRIBUTED}.get_parameter_state_dp_reshardable",
 )
 ZERO_GRADS = (f"{FLOAT16}.zero_grad", f"{DISTRIBUTED}.zero_grad")
-INITS = (f"{FLOAT16}.__init__", f"{DISTRIBUTED}.__init__")
-STEP = f"{OPTIMIZER}.MixedPrecisionOptimizer.step_with_ready_grads"

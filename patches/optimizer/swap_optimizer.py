@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from mm_adaptor.patches.optimizer.batched_step import HolderPatches, batches_by_bytes, state_holder, step_in_batches
-from mm_adaptor.patches.optimizer.reuse_fp32_param import main_and_model_pairs
+from mm_adaptor.patches.optimizer.batched_step import batches_by_bytes
+from mm_adaptor.patches.optimizer.state_holder import HolderPatches, holder_of, main_and_model_pairs
 
 ADAM_BYTES_PER_ELEMENT = 12  # fp32 main parameter and two fp32 moments
 
@@ -25,9 +25,13 @@ def _device_tensor_without_storage(like: torch.Tensor, device) -> torch.Tensor:
 
 
 class SwappedOptimizerState:
-    """Main parameters and moments of one megatron optimizer, kept in host memory between steps. Invariant: between
+    """Main parameters and moments of one megatron optimizer, kept in host memory between steps: the holder's
+    policy for both slots (patches.optimizer.state_holder). Invariant: between
     steps every swapped tensor's data is its host copy (a moment the checkpoint loader replaced included), except
     the main parameters from prepare_grads to the end of the step (`released`: device tensors without storage)."""
+
+    slots = ("mains", "moments")
+    releases_mains = True
 
     def __init__(self, optimizer, *, budget_bytes: int, backend):
         self.inner = optimizer.optimizer
@@ -76,7 +80,10 @@ class SwappedOptimizerState:
                 main.data = self.host.pop(id(main))
         self.released.clear()
 
-    # -- the step ----------------------------------------------------------------------------------------------
+    # -- the holder's step -------------------------------------------------------------------------------------
+    def batch_limit(self):
+        return self.budget_bytes, ADAM_BYTES_PER_ELEMENT
+
     def batches(self) -> list[list[int]]:
         return batches_by_bytes(self.params, self.budget_bytes, ADAM_BYTES_PER_ELEMENT)
 
@@ -110,30 +117,25 @@ class SwappedOptimizerState:
             t.data = host
             self.bytes_to_host += device.numel() * device.element_size()
 
-    @torch.no_grad()
-    def step(self) -> None:
-        batches = [[self.params[i] for i in batch] for batch in self.batches()]
-        model_of = {id(main): model for main, model in self.pairs}
-        arrived = {}
+    def begin_step(self, batches) -> None:
+        self._batches, self._arrived = batches, {}
 
-        def fetch(n):
-            if n < len(batches):  # moments exist from the first step on; they are made on the device then
-                arrived[n] = self._to_device([t for p in batches[n] for t in self._swapped(p)])
+    def _fetch_batch(self, n) -> None:
+        if n < len(self._batches):  # moments exist from the first step on; they are made on the device then
+            self._arrived[n] = self._to_device([t for p in self._batches[n] for t in self._swapped(p)])
 
-        def before(n):
-            if n == 0:
-                fetch(0)
-            self.backend.current_stream().wait_event(arrived.pop(n))
-            fetch(n + 1)  # overlaps this batch's update
+    def before(self, n) -> None:
+        if n == 0:
+            self._fetch_batch(0)
+        self.backend.current_stream().wait_event(self._arrived.pop(n))
+        self._fetch_batch(n + 1)  # overlaps this batch's update
 
-        def after(n):
-            for p in batches[n]:
-                if id(p) in model_of:
-                    model_of[id(p)].detach().copy_(p.detach())
-            self._to_host([t for p in batches[n] for t in self._swapped(p)])
+    def after(self, n) -> None:  # the holder copied the batch's main parameters into the model
+        self._to_host([t for p in self._batches[n] for t in self._swapped(p)])
 
-        step_in_batches(self.inner, batches, before, after)
+    def end_step(self) -> None:
         self._store.synchronize()  # host memory holds every update before anything reads it
+        self.mains_back_to_host()
         self.steps += 1
 
     # -- accounting --------------------------------------------------------------------------------------------
@@ -155,17 +157,15 @@ class Patches(HolderPatches):
         super().__init__(**options)
         self.state_class = state_class
 
-    def init(self, wrapped, instance, args, kwargs):
+    def make_policy(self, optimizer):
         from mm_adaptor import devices
 
-        wrapped(*args, **kwargs)
-        if getattr(instance, "is_stub_optimizer", False):
-            return
-        self.attach(instance, self.state_class(instance, backend=devices.current_or_chosen(), **self.options))
+        return self.state_class(optimizer, backend=devices.current_or_chosen(), **self.options)
 
     @staticmethod
     def prepare_grads(wrapped, instance, args, kwargs):
-        state = state_holder(instance)
+        holder = holder_of(instance)
+        state = holder.mains if holder is not None and isinstance(holder.mains, SwappedOptimizerState) else None
         if state is None:
             return wrapped(*args, **kwargs)
         state.release_mains_for_grads()
@@ -173,13 +173,3 @@ class Patches(HolderPatches):
         if found_inf:  # no step follows
             state.mains_back_to_host()
         return found_inf
-
-    @staticmethod
-    def step_with_ready_grads(wrapped, instance, args, kwargs):
-        state = state_holder(instance)
-        if state is None:
-            return wrapped(*args, **kwargs)
-        state.step()
-        state.mains_back_to_host()
-        return True
-

@@ -4,18 +4,24 @@
 The moments appear at the first step; that step runs over batches of parameters (batched_step) and each batch's
 new moments move to mapped memory right after their update, so they are never all on the device at once. With a
 budget, moments go to host memory until it is full and the rest stay on the device. A moment replaced later (a
-checkpoint load makes new tensors) is placed again before the next step."""
+checkpoint load makes new tensors) is placed again before the next step.
+
+The policy of the holder's "moments" slot (patches.optimizer.state_holder), so it composes with a main-parameter
+policy (--reuse-fp32-param)."""
 
 from __future__ import annotations
 
 import torch
 
-from mm_adaptor.patches.optimizer.batched_step import HolderPatches, batches_by_bytes, state_holder, step_in_batches
+from mm_adaptor.patches.optimizer.state_holder import HolderPatches
 
 FIRST_STEP_BATCH_BYTES = 256 * 2**20
 
 
 class VirtualMoments:
+    slots = ("moments",)
+    releases_mains = False
+
     def __init__(self, optimizer, *, budget_bytes: float, place=None):
         from mm_adaptor.ops import host_mapped_copy
 
@@ -53,16 +59,23 @@ class VirtualMoments:
     def needs_batched_step(self) -> bool:
         return any(not self._moments(p) for p in self.params)
 
-    @torch.no_grad()
-    def step(self, inner_step) -> None:
-        """inner_step: the inner optimizer's own step (the device's Adam on moments wherever they are)."""
+    # -- the holder's step -------------------------------------------------------------------------------------
+    def batch_limit(self):
+        """Bounded batches while some moments do not exist yet (they are made on the device, then moved)."""
+        return (FIRST_STEP_BATCH_BYTES, 8) if self.needs_batched_step() else None
+
+    def begin_step(self, batches) -> None:
+        self._batches = batches
         self._forget_replaced()
         self._place(self.params)
-        if self.needs_batched_step():
-            batches = [[self.params[i] for i in b] for b in batches_by_bytes(self.params, FIRST_STEP_BATCH_BYTES, 8)]
-            step_in_batches(self.inner, batches, lambda n: None, lambda n: self._place(batches[n]))
-        else:
-            inner_step()
+
+    def before(self, n) -> None:
+        pass
+
+    def after(self, n) -> None:
+        self._place(self._batches[n])
+
+    def end_step(self) -> None:
         self.steps += 1
 
     def state_tensors(self):
@@ -72,35 +85,6 @@ class VirtualMoments:
         return {"steps": self.steps, "moment_bytes_in_host_memory": self.host_bytes}
 
 
-class _InnerStepThrough:
-    """Stands in for the inner optimizer while megatron's step_with_ready_grads runs: its step() goes through
-    VirtualMoments; everything else is the inner optimizer's."""
-
-    def __init__(self, inner, moments: VirtualMoments):
-        self._inner, self._moments = inner, moments
-
-    def step(self, *args, **kwargs):
-        self._moments.step(lambda: self._inner.step(*args, **kwargs))
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
 class Patches(HolderPatches):
-    def init(self, wrapped, instance, args, kwargs):
-        wrapped(*args, **kwargs)
-        if getattr(instance, "is_stub_optimizer", False) or getattr(instance, "optimizer", None) is None:
-            return
-        self.attach(instance, VirtualMoments(instance, **self.options))
-
-    @staticmethod
-    def step_with_ready_grads(wrapped, instance, args, kwargs):
-        moments = state_holder(instance)
-        if moments is None:
-            return wrapped(*args, **kwargs)
-        inner = instance.optimizer
-        instance.optimizer = _InnerStepThrough(inner, moments)
-        try:
-            return wrapped(*args, **kwargs)
-        finally:
-            instance.optimizer = inner
+    def make_policy(self, optimizer):
+        return VirtualMoments(optimizer, **self.options)

@@ -7,6 +7,7 @@ import torch
 from plain_optimizer_step import plain_step_on_shared_grads
 
 from mm_adaptor import devices
+from mm_adaptor.patches.optimizer.state_holder import OptimizerStateHolder
 from mm_adaptor.patches.optimizer.swap_optimizer import SwappedOptimizerState
 
 
@@ -32,6 +33,9 @@ def test_swapped_step_matches_the_plain_optimizer(budget_bytes):
     state = SwappedOptimizerState(MegatronShell(mains, models, torch.optim.AdamW(mains, lr=1e-2)),
                                   budget_bytes=budget_bytes, backend=devices.make("cpu"))
     order = []
+    holder = OptimizerStateHolder(state.inner)
+    holder.adopt(state)
+    model_of = {id(main): model for main, model in zip(mains, models)}
     fetch, inner_step = state._to_device, state.inner.step
     state._to_device = lambda tensors: (order.append(("fetch", len(tensors))), fetch(tensors))[1]
     state.inner.step = lambda: (order.append(("update", sum(len(g["params"]) for g in state.inner.param_groups))),
@@ -41,8 +45,7 @@ def test_swapped_step_matches_the_plain_optimizer(budget_bytes):
         state.release_mains_for_grads()
         plain_step_on_shared_grads(ref, mains_ref, mains, models_ref, g)
         order.clear()
-        state.step()
-        state.mains_back_to_host()
+        holder.step(model_of)
         for a, b in zip(models_ref, models):
             assert torch.equal(a, b)
         for a, b in zip(mains_ref, mains):
