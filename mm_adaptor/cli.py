@@ -137,8 +137,8 @@ def check_main(argv: list[str]) -> int:
                     "and judge per-step losses, every step's gradients and the parameters against the features' "
                     "tolerance. Any other flag is passed to mm-adaptor train for both runs.")
     parser.add_argument("--layout", default=None,
-                        help=f"one of {', '.join(harness.LAYOUTS)}, or 'all' (default tp2-sp; single on a node with "
-                             "one GPU)")
+                        help=f"one of {', '.join(harness.LAYOUTS)}, or 'all' (default: what the parallel-size flags give, "
+                             "else tp2-sp; single on a node with one GPU)")
     parser.add_argument("--iters", type=int, default=4, help="training steps per run (default 4)")
     parser.add_argument("--nproc-per-node", type=int, default=None,
                         help="ranks per run (default: what the layout needs, 1 for single, else 2)")
@@ -161,16 +161,20 @@ def check_main(argv: list[str]) -> int:
     # Flags meant for the training runs: an unknown one or a bad value is refused here, with suggestions.
     train_parser = build_parser(prog="mm-adaptor check")
     train_parser.also_valid, train_parser.help_hint = parser.flags(), TRAIN_FLAGS_HINT
-    train_parser.parse_args(rest)
+    train_args = train_parser.parse_args(rest)
     feature_flags = {flag.option for _, flag in features_all_flags()}
     feature_args, extra = _split_feature_args(rest, feature_flags)
     layouts = list(harness.LAYOUTS) if args.layout == "all" else [args.layout]
+    own_layout = not layout_given and _layout_flags_given(rest)
+    if own_layout:  # the user's parallel flags are the layout: no default one added to them
+        layouts, layout_given = [None], True
+        args.nproc_per_node = args.nproc_per_node or _ranks_needed(train_args)
 
-    def problems(layouts: list[str], check_devices: bool) -> str | None:
+    def problems(layouts: list[str | None], check_devices: bool) -> str | None:
         for layout in layouts:  # every layout's configuration is checked before the first one trains
             try:
-                checked_args([*harness.LAYOUTS[layout], *extra, *feature_args, "--train-iters", str(args.iters),
-                              "--nproc-per-node", str(args.nproc_per_node or ranks_for(layout)),
+                checked_args([*harness.LAYOUTS.get(layout, ()), *extra, *feature_args, "--train-iters",
+                              str(args.iters), "--nproc-per-node", str(args.nproc_per_node or ranks_for(layout)),
                               "--timeout", str(args.timeout)], check_devices=check_devices)
             except harness.HarnessError as exc:
                 where = f"layout {layout}: " if len(layouts) > 1 else ""
@@ -198,6 +202,23 @@ def check_main(argv: list[str]) -> int:
         print(f"summary: {len(layouts) - len(failed)}/{len(layouts)} layouts within tolerance"
               + (f"; outside: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
+
+
+# Flags that set a parallel size: given without --layout, they are the layout.
+LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size",
+                "--num-layers-per-virtual-pipeline-stage")
+
+
+def _layout_flags_given(argv: list[str]) -> bool:
+    return any(token.split("=", 1)[0] in LAYOUT_FLAGS for token in argv)
+
+
+def _ranks_needed(train_args) -> int:
+    """The fewest ranks the user's parallel sizes fit: TP x PP, and expert TP (= TP) x EP x PP."""
+    import math
+
+    tp, pp = train_args.tensor_model_parallel_size, train_args.pipeline_model_parallel_size
+    return max(1, math.lcm(tp * pp, tp * train_args.expert_model_parallel_size * pp))
 
 
 def _default_check_layout() -> str:

@@ -5,6 +5,7 @@ feature's flags; `finalize_args` derives defaults and rejects out-of-range value
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
@@ -261,9 +262,14 @@ def finalize_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     else:
         if args.num_experts % ep != 0:
             problems.append(_not_divisible("--num-experts", args.num_experts, "--expert-model-parallel-size", ep))
-        if dp is not None and (dp * tp) % ep != 0:
-            problems.append(f"--expert-model-parallel-size {ep} must divide data-parallel x tensor-parallel size "
-                            f"({dp * tp}): change --nproc-per-node or the layout")
+        expert_ranks = tp * ep * pp  # megatron's expert tensor-parallel size defaults to the tensor-parallel size
+        if ep > 1 and world_size % expert_ranks != 0:
+            needed = math.lcm(tp * pp, expert_ranks)
+            problems.append(
+                f"world size {world_size} is not divisible by expert tensor-parallel size {tp} (megatron's default: "
+                f"--tensor-model-parallel-size) x --expert-model-parallel-size {ep} x --pipeline-model-parallel-size "
+                f"{pp} = {expert_ranks}: use a multiple of {needed} ranks (--nproc-per-node) or a smaller "
+                "--expert-model-parallel-size")
         if tp > 1 and not args.disable_bias_linear:
             problems.append("MoE with --tensor-model-parallel-size > 1 (experts split the same way) needs "
                             "--disable-bias-linear: megatron supports expert biases only without expert tensor "

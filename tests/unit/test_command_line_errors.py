@@ -63,6 +63,16 @@ def _assert_one_line_refusal(argv, expected, cwd=None):
     (["check", "--use-fused-rmsnorm", "--iters", "0"], ["--iters 0: must be at least 1"]),
     (["check", "--use-fused-rmsnorm", "--normalization", "RMSNorm", "--hidden-size", "63"],
      ["--hidden-size 63 is not divisible by --num-attention-heads"]),
+    (["train", "--tensor-model-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "2",
+      "--disable-bias-linear"],
+     ["world size 2 is not divisible by expert tensor-parallel size 2", "--expert-model-parallel-size 2",
+      "use a multiple of 4 ranks (--nproc-per-node)"]),
+    (["check", "--use-fused-rmsnorm", "--normalization", "RMSNorm", "--num-experts", "4",
+      "--expert-model-parallel-size", "2", "--layout", "tp2-sp", "--disable-bias-linear"],
+     ["world size 2 is not divisible by expert tensor-parallel size 2", "use a multiple of 4 ranks"]),
+    (["check", "--use-fused-rmsnorm", "--normalization", "RMSNorm", "--tensor-model-parallel-size", "2",
+      "--num-experts", "4", "--expert-model-parallel-size", "2", "--disable-bias-linear", "--nproc-per-node", "2"],
+     ["world size 2 is not divisible by expert tensor-parallel size 2", "use a multiple of 4 ranks"]),
     (["calibrate", "--precision", "fp64"], ["--precision: invalid choice: 'fp64'"]),
     (["build-ops", "--device", "tpu"], ["--device: invalid choice: 'tpu'"]),
     (["fingerprint", "no.such.thing"], ["cannot resolve 'no.such.thing'"]),
@@ -101,3 +111,17 @@ def test_help_does_not_import_torch(argv):
     stdout, stderr = _run(*argv)
     assert stdout.endswith("status=0 torch_imported=False"), stdout[-200:]
     assert "usage: mm-adaptor" in stdout and not stderr
+
+
+@pytest.mark.parametrize("layout_flags", [
+    ["--pipeline-model-parallel-size", "2"],
+    ["--expert-model-parallel-size", "2", "--num-experts", "4"],
+    ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],  # 4 ranks by default
+    ["--pipeline-model-parallel-size=2", "--num-layers-per-virtual-pipeline-stage", "1"],
+], ids=" ".join)
+def test_check_without_layout_takes_the_parallel_flags_as_the_layout(layout_flags):
+    """No default layout (tp2-sp) is added to them: the one problem named is the planted one."""
+    stdout, stderr = _run("check", "--use-fused-rmsnorm", "--normalization", "RMSNorm", *layout_flags,
+                          "--hidden-size", "63")
+    assert stdout == "status=2 torch_imported=False", (stdout, stderr)
+    assert len(stderr) == 1 and "--hidden-size 63 is not divisible" in stderr[0], stderr
