@@ -99,8 +99,7 @@ class StoredStorage:
             self.host.copy_(self.keeper, non_blocking=True)
             self.offload_event = m.backend.new_event()
             self.offload_event.record(m.offload_stream)
-        if self.keeper.device.type != "cpu":
-            self.keeper.record_stream(m.offload_stream)
+        m.in_use_on(self.keeper, m.offload_stream)
         self.state = "copying"
 
     def release(self) -> None:
@@ -133,6 +132,9 @@ class StoredStorage:
             self.restored.copy_(source, non_blocking=True)
             self.prefetch_event = m.backend.new_event()
             self.prefetch_event.record(m.prefetch_stream)
+        # allocated on the compute stream, written on the prefetch stream: if it is freed before unpack waits
+        # (a graph dropped without backward), the allocator must not reuse it while the copy still writes
+        m.in_use_on(self.restored, m.prefetch_stream)
         m.pool.give(self.host, self.prefetch_event)
         self.host = None
         self.state = "restored"
@@ -257,11 +259,20 @@ class SwapManager:
             return
         from mm_adaptor import devices
 
-        self.backend = devices.current() or devices.install()
+        self.use_backend(devices.current() or devices.install())
+
+    def use_backend(self, backend) -> None:
+        self.backend = backend
         self.device = self.backend.torch_device()
         self.offload_stream = self.backend.new_stream()
         self.prefetch_stream = self.backend.new_stream()
         self.pool = HostPool(self.backend)
+
+    def in_use_on(self, tensor: torch.Tensor, side_stream) -> None:
+        """Tell the allocator that `side_stream` uses `tensor` (record_stream): its block is not handed out again
+        until the work queued there when it is freed has run. The CPU backend's streams are ordered no-ops."""
+        if self.backend.name != "cpu":
+            tensor.record_stream(side_stream)
 
     def host_source(self, stored: StoredStorage) -> torch.Tensor:
         """The host copy to bring back into `stored` (its own; the harness's self-test overrides this)."""

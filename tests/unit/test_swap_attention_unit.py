@@ -203,3 +203,98 @@ def test_unpack_fetches_on_demand_when_no_prefetch_came(unswapped, rank, monkeyp
     _, grads_on, stats = run(["--swap-attention", "--swap-min-bytes", "0"])
     assert all(torch.equal(grads_on[k], grads_off[k]) for k in grads_off)
     assert stats.get("prefetched", 0) == 0 and stats["fetched_on_demand"] > 0
+
+
+# stream safety, with a backend whose streams record who wrote which buffer (the CPU's are no-ops)
+
+
+class RecordingStream:
+    def __init__(self, name):
+        self.name = name
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def __repr__(self):
+        return self.name
+
+
+class RecordingEvent:
+    def record(self, stream=None):
+        pass
+
+
+class RecordingBackend:
+    """A GPU-like backend on CPU tensors: streams are named, copies and record_stream calls are logged."""
+
+    name = "recording"
+
+    def __init__(self):
+        self.compute = RecordingStream("compute")
+        self.streams = [self.compute]
+        self.current = [self.compute]
+        self.writes = []  # (data_ptr written, stream)
+        self.recorded = []  # (data_ptr, stream) given to record_stream
+
+    def torch_device(self):
+        return torch.device("cpu")
+
+    def new_stream(self):
+        self.streams.append(RecordingStream(f"side{len(self.streams)}"))
+        return self.streams[-1]
+
+    def new_event(self):
+        return RecordingEvent()
+
+    def current_stream(self):
+        return self.current[-1]
+
+    def use_stream(self, stream):
+        import contextlib
+
+        @contextlib.contextmanager
+        def on():
+            self.current.append(stream)
+            try:
+                yield
+            finally:
+                self.current.pop()
+        return on()
+
+    def host_buffer(self, nbytes):
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def test_buffers_written_on_a_side_stream_are_recorded_on_it(monkeypatch):
+    from mm_adaptor.patches.transformer import swap_attention as sa
+
+    backend = RecordingBackend()
+    copy = torch.Tensor.copy_
+
+    def logged_copy(self, src, non_blocking=False):
+        backend.writes.append((self.data_ptr(), backend.current_stream()))
+        return copy(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", logged_copy)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, stream: backend.recorded.append((self.data_ptr(), stream)))
+    manager = sa.SwapManager()
+    manager.use_backend(backend)
+    layer = sa.LayerPass(sa.BlockPass(0), 1, set())
+    saved = torch.arange(256, dtype=torch.float32)
+    stored = sa.StoredStorage(manager, saved.untyped_storage(), layer)
+    device_ptr = saved.data_ptr()
+    stored.offload()
+    assert (device_ptr, manager.offload_stream) in backend.recorded, "the offload copy reads it on its stream"
+    del saved
+    stored.release()
+    assert stored.state == "host"
+    stored.prefetch()
+    restored_ptr = stored.restored.data_ptr()
+    assert backend.writes[-1] == (restored_ptr, manager.prefetch_stream), "the copy back runs on the side stream"
+    assert (restored_ptr, manager.prefetch_stream) in backend.recorded, \
+        "a restored buffer freed before unpack could be reused while the prefetch copy still writes it"
+    assert torch.equal(torch.empty(0).set_(stored.storage_for_unpack()), torch.arange(256, dtype=torch.float32))
