@@ -5,6 +5,7 @@ keeps discovery away)."""
 
 from importlib import import_module
 
+from mm_adaptor.feature_flags._refusals import cuda_graph_refusal
 from mm_adaptor.features import Feature, FeatureConfigError, Flag
 
 # Megatron flags (and ours) that also decide where the main parameters or moments live.
@@ -57,8 +58,9 @@ def budget_refusal(options, main: Flag, budget_flag: Flag) -> str | None:
 
 
 def state_owner_refusal(options, main_flag: str, others: tuple = ()) -> str | None:
-    """A flag that also decides where the main parameters or moments live."""
+    """A flag that also decides where the main parameters or moments live, or CUDA graphs (they would replay the
+    captured step's state placement)."""
     for flag, dest in (*OWNERS_OF_OPTIMIZER_STATE, *others):
         if getattr(options, dest, None):
             return f"{main_flag} and {flag} both decide where the optimizer's state lives: keep one"
-    return None
+    return cuda_graph_refusal(main_flag, options)

@@ -1,6 +1,7 @@
 """--swap-attention [--swap-modules ...] [--swap-prefetch-distance D] [--swap-min-bytes N]: what the attention
 block saves for backward waits in host memory between a layer's forward and its backward."""
 
+from mm_adaptor.feature_flags._refusals import cuda_graph_refusal
 from mm_adaptor.features import Feature, Flag, Tolerance, refuse_unless_local_spec, register
 
 MAIN = "--swap-attention"
@@ -105,4 +106,4 @@ def refusal_for(options) -> str | None:
         if getattr(options, dest, False):
             return (f"{MAIN} and megatron's {megatron_flag} would both move the same activations to host memory: "
                     f"keep one")
-    return None
+    return cuda_graph_refusal(MAIN, options)
