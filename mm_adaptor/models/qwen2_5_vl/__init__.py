@@ -1,1 +1,14 @@
-"""Qwen2.5-VL on megatron-core: vision encoder with window attention, patch merger, GPTModel with mrope."""
+"""Qwen2.5-VL built from megatron-core modules (needs the vlm extra only for the converter and the reference tests)."""
+
+from mm_adaptor.models.qwen2_5_vl.config import (  # noqa: F401
+    Qwen25VLConfig, config_from_hf, language_transformer_config, projection_config, tiny_config,
+    tiny_hf_config_dict, vision_transformer_config,
+)
+from mm_adaptor.models.qwen2_5_vl.positions import rope_index, rope_index_for  # noqa: F401
+
+
+def model_provider(*args, **kwargs):
+    """See model.model_provider (imported on call: megatron loads only when a model is built)."""
+    from mm_adaptor.models.qwen2_5_vl.model import model_provider as provide
+
+    return provide(*args, **kwargs)
