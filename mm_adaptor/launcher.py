@@ -3,9 +3,9 @@ progress, and stop every rank and everything it started when the launcher is int
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
-import gc
 import multiprocessing as mp
 import os
 import select
@@ -203,11 +203,28 @@ def _rank_entry(fn, args, rank, world_size, port, threads, errors, rank_warnings
         fn(*args)
     except BaseException as exc:  # noqa: BLE001 - everything a rank raises goes to the parent
         errors.put((rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        raise SystemExit(1)
+        _end_rank(1)
     report_progress("exiting")
-    # Interpreter teardown ends with a full garbage collection over torch's and megatron's objects: seconds after
-    # the work is done, more on a loaded machine. Frozen objects are left out of it; the OS reclaims the memory.
-    gc.freeze()
+    _end_rank(0)
+
+
+def _end_rank(code: int) -> None:
+    """Exit the rank with `code` once what it sent, started and buffered is out, skipping interpreter teardown.
+
+    Teardown ends with a full garbage collection over torch's and megatron's objects (seconds after the work is
+    done), and then extensions' leak checkers run: nanobind's (Triton's bindings) prints a hundred lines about
+    objects a rank simply never freed. The OS reclaims the memory; os._exit skips both."""
+    from multiprocessing import util
+
+    util._exit_function()  # what multiprocessing does after the target: queue feeders flushed, children joined
+    for thread in threading.enumerate():  # what the interpreter waits for
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # Python-level exit handlers, logging's flush among them
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 # The free port is found by binding and releasing it, so another process can take it before rank 0 listens; the
