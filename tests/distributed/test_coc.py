@@ -56,8 +56,10 @@ def test_chunks_in_the_wrong_order_fail():
 
 def test_tp2_sp_dp2_distributed_optimizer_with_gradient_accumulation_fusion():
     """The weight gradient goes into main_grad through megatron's fused accumulation, sharded by the optimizer."""
-    check(["--use-coc"], "tp2-sp", ["--bf16", "--use-distributed-optimizer", "--gradient-accumulation-fusion"],
-          nproc=4)
+    calls = check(["--use-coc"], "tp2-sp", ["--bf16", "--use-distributed-optimizer", "--gradient-accumulation-fusion"],
+                  nproc=4)
+    column, row = calls["chunked column-parallel all-gather calls"], calls["chunked row-parallel reduce-scatter calls"]
+    assert column and column * ROW_CALLS == row * COLUMN_CALLS, calls
 
 
 def test_ep2_with_tensor_parallel_experts():

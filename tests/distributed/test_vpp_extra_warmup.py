@@ -45,8 +45,11 @@ def test_pp4_vpp2_on_four_ranks():
 
 
 def test_pp2_vpp2_dp2_overlapped_grad_reduce_distributed_optimizer():
-    check(FLAG, "pp2-vpp2", ["--global-batch-size", "16", "--use-distributed-optimizer", "--overlap-grad-reduce"],
-          nproc=4)
+    """4 micro-batches per data-parallel rank, as in test_pp2_vpp2: the same extended warm-up."""
+    stats = check(FLAG, "pp2-vpp2", ["--global-batch-size", "16", "--use-distributed-optimizer",
+                                     "--overlap-grad-reduce"], nproc=4)
+    assert stats["peak micro-batches in flight"] == megatron_warmup(2, 2, 0) + 1 + 1
+    assert stats["schedules extended"] == 4
 
 
 def test_extra_warmup_on_one_stage_only_fails():
