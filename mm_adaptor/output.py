@@ -3,6 +3,7 @@ to be harmless here summarised in one line (MM_ADAPTOR_VERBOSE=1, or --verbose, 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -85,10 +86,55 @@ def forward_rank_output(send) -> None:
     logging.getLogger().addHandler(_ForwardRecords(send))
 
 
+class RankWarnings:
+    """One rank's warnings under torchrun (no launcher of ours collects them): each distinct warning reaches the
+    user once. With torchrun's key-value store the first rank to have a warning prints it and the others skip it;
+    without one every rank prints its own. Another rank's line names it; known-harmless notices are counted on
+    rank 0 only (PRINTER's closing line) unless verbose."""
+
+    def __init__(self, rank: int, store=None, printer: WarningPrinter | None = None):
+        self.rank, self.store, self.printer = rank, store, printer or PRINTER
+        self.seen: set[str] = set()
+        self.run = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+    def add(self, text: str) -> None:
+        if text in self.seen:
+            return
+        self.seen.add(text)
+        if not verbose() and harmless_reason(text):
+            if self.rank == 0:
+                self.printer.add(text)
+            return
+        if self.store is not None and not self._first_in_job(text):
+            return
+        self.printer.add(text if self.rank == 0 else f"rank {self.rank}: {text}")
+
+    def _first_in_job(self, text: str) -> bool:
+        key = f"mm_adaptor/warnings/{self.run}/{hashlib.sha1(text.encode()).hexdigest()}"
+        try:
+            return self.store.add(key, 1) == 1
+        except Exception:  # the store is gone (the job is ending): printed twice rather than lost
+            return True
+
+
+def torchrun_store():
+    """A client of the store torchrun's agent keeps for its workers (MASTER_ADDR:MASTER_PORT), or None."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timedelta(seconds=10))
+    except Exception:
+        return None
+
+
 def print_rank_zero_warnings_once(rank: int) -> None:
-    """Under torchrun, where no launcher of ours collects them: rank 0 prints each distinct warning once (the
-    known-harmless ones counted when PRINTER closes); the other ranks' warnings are dropped unless verbose."""
-    forward_rank_output(PRINTER.add if rank == 0 or verbose() else (lambda text: None))
+    """Under torchrun: every rank's distinct warnings reach the user once (RankWarnings), not only rank 0's."""
+    forward_rank_output(RankWarnings(rank, torchrun_store()).add)
 
 
 # One printer per process: a job that launches ranks several times (mm-adaptor check) shows each warning once.

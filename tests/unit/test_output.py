@@ -44,3 +44,79 @@ def test_a_rank_forwards_python_and_logged_warnings(monkeypatch):
     finally:
         root.handlers[:] = handlers
     assert sent == ["UserWarning: careful", "Warning: CPU RNG state changed within GPU RNG context"]
+
+
+class _SharedStore:
+    """torchrun's key-value store, as far as RankWarnings uses it."""
+
+    def __init__(self):
+        self.counts = {}
+
+    def add(self, key, amount):
+        self.counts[key] = self.counts.get(key, 0) + amount
+        return self.counts[key]
+
+
+def _printer(monkeypatch):
+    monkeypatch.delenv(output.VERBOSE_ENV, raising=False)
+    stream = io.StringIO()
+    return output.WarningPrinter(stream), stream
+
+
+def test_each_ranks_warnings_reach_the_user_once_through_the_shared_store(monkeypatch):
+    printer, stream = _printer(monkeypatch)
+    store = _SharedStore()
+    ranks = [output.RankWarnings(rank, store, printer) for rank in range(3)]
+    for rank, warned in enumerate(ranks):
+        for _ in range(2):
+            warned.add("UserWarning: said by every rank")
+            warned.add(f"UserWarning: said by rank {rank} only")
+            warned.add("UserWarning: Apex is not installed. Falling back to Torch Norm")
+    printer.close()
+    assert stream.getvalue().splitlines() == [
+        "warning: UserWarning: said by every rank",
+        "warning: UserWarning: said by rank 0 only",
+        "warning: rank 1: UserWarning: said by rank 1 only",
+        "warning: rank 2: UserWarning: said by rank 2 only",
+        "note: 1 known-harmless library notice not shown (without Transformer Engine/Apex megatron uses its torch "
+        "implementations); --verbose shows them",
+    ]
+
+
+def test_without_a_store_another_rank_prints_its_own_warnings(monkeypatch):
+    printer, stream = _printer(monkeypatch)
+    warned = output.RankWarnings(1, None, printer)
+    warned.add("UserWarning: careful")
+    warned.add("UserWarning: careful")
+    assert stream.getvalue() == "warning: rank 1: UserWarning: careful\n"
+
+
+TORCHRUN_SCRIPT = """
+import os, warnings
+from mm_adaptor import output
+rank = int(os.environ["RANK"])
+warnings.simplefilter("always")
+output.print_rank_zero_warnings_once(rank)
+warnings.warn("said by every rank")
+warnings.warn(f"said by rank {rank} only")
+warnings.warn("said by every rank")
+"""
+
+
+def test_under_torchrun_every_ranks_distinct_warnings_are_printed_once(tmp_path):
+    import subprocess
+    import sys
+
+    from mm_adaptor.launcher import free_port
+
+    script = tmp_path / "warn.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), str(script)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("warning: ")]
+    assert sorted(lines) == ["warning: UserWarning: said by every rank", "warning: UserWarning: said by rank 0 only",
+                             "warning: rank 1: UserWarning: said by rank 1 only"] or sorted(lines) == [
+        "warning: UserWarning: said by rank 0 only", "warning: rank 1: UserWarning: said by every rank",
+        "warning: rank 1: UserWarning: said by rank 1 only"], done.stderr
