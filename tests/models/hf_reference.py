@@ -36,7 +36,7 @@ def images(sizes=IMAGE_SIZES, seed: int = 1):
 
 
 def prompt(config: Qwen25VLConfig, grid_thw=None, text_lengths=(5, 4, 3), seed: int = 2) -> torch.Tensor:
-    """[1, s]: text, then per image vision-start + pads + vision-end and more text."""
+    """[1, s]: text, then per image vision-start + pads + vision-end and more text; s even (sequence parallel)."""
     gen = torch.Generator().manual_seed(seed)
     pieces = [torch.randint(0, config.image_token_id - 10, (text_lengths[0],), generator=gen)]
     merge = config.spatial_merge_size**2
@@ -44,7 +44,10 @@ def prompt(config: Qwen25VLConfig, grid_thw=None, text_lengths=(5, 4, 3), seed: 
         pads = torch.full((t * h * w // merge,), config.image_token_id)
         pieces += [torch.tensor([config.vision_start_token_id]), pads, torch.tensor([config.vision_start_token_id + 1]),
                    torch.randint(0, config.image_token_id - 10, (text_lengths[1 + i % 2],), generator=gen)]
-    return torch.cat(pieces).unsqueeze(0)
+    ids = torch.cat(pieces)
+    if len(ids) % 2:
+        ids = torch.cat([ids, ids[:1]])
+    return ids.unsqueeze(0)
 
 
 def _rows(tensor, rank, size, dim=0):

@@ -120,9 +120,6 @@ class VisionModel(MegatronModule):
         self.patch_embed = PatchEmbed(config)
         self.decoder = TransformerBlock(transformer_config, vision_layer_spec(config), post_layer_norm=False,
                                         pre_process=True, post_process=True)
-        rotary_dim = transformer_config.kv_channels // 2
-        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def set_input_tensor(self, input_tensor) -> None:
         self.decoder.set_input_tensor(input_tensor)
@@ -137,7 +134,9 @@ class VisionModel(MegatronModule):
         hidden = hidden.view(patches // unit, unit, -1)[order.to(hidden.device)].view(patches, 1, -1)
 
         rows, cols = patch_rows_cols(grid_thw, c.spatial_merge_size)
-        inv_freq = self.inv_freq.float()
+        # fp32 whatever the model's dtype (a buffer would be cast with the module)
+        rotary_dim = self.config.kv_channels // 2
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
         freqs = torch.cat([torch.outer(rows.to(inv_freq), inv_freq), torch.outer(cols.to(inv_freq), inv_freq)], -1)
         freqs = freqs.view(patches // unit, unit, -1)[order.to(freqs.device)].view(patches, -1)
         rotary = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]

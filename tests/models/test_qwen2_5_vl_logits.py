@@ -1,0 +1,123 @@
+"""Our megatron-core Qwen2.5-VL gives transformers' logits, with the same weights, in one process (TP1).
+
+Measured on the tiny seeded model (relative error = max |ours - HF| / max |HF|):
+- fp32: text only 0.0, one image 4.7e-7, two images 4.6e-7; tolerance FP32_TOLERANCE.
+- bf16 (Float16Module, as the driver wraps it) against HF fp32: 7.7e-3 .. 8.1e-3, where HF's own bf16 model is off
+  by 7.2e-3 .. 8.6e-3; tolerance: within BF16_TOLERANCE and within 1.5x HF's own bf16 error.
+- 1-D positions (arange on all three axes) instead of the 3-D ones: 6.5e-3 .. 7.1e-3, far above FP32_TOLERANCE.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_reference import hf_model, images, load_hf_weights, prompt  # noqa: E402
+
+from mm_adaptor.models.qwen2_5_vl import model_provider, rope_index_for, tiny_config  # noqa: E402
+
+FP32_TOLERANCE = 1e-5
+BF16_TOLERANCE = 2e-2
+CONFIG = tiny_config()
+
+
+def relative_error(ours, reference):
+    return ((ours.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+
+
+def prompts():
+    pixels, grid = images()
+    first = int(grid[0].prod())
+    return {
+        "text_only": (prompt(CONFIG), None, None),
+        "one_image": (prompt(CONFIG, grid[:1]), pixels[:first], grid[:1]),
+        "two_images": (prompt(CONFIG, grid), pixels, grid),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """HF model, and per prompt: (input_ids, pixels, grid, 3-D positions, HF fp32 logits)."""
+    model = hf_model(CONFIG)
+    cases = {}
+    with torch.no_grad():
+        for name, (ids, pixels, grid) in prompts().items():
+            positions, _ = rope_index_for(CONFIG, ids, grid)
+            logits = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid).logits
+            cases[name] = (ids, pixels, grid, positions, logits)
+    return model, cases
+
+
+@pytest.fixture(scope="module")
+def megatron_rank():
+    from conftest import one_gloo_rank
+    from megatron.core import tensor_parallel
+
+    with one_gloo_rank():
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        yield
+
+
+def build(reference_model, config=CONFIG):
+    model = model_provider(config).eval()
+    load_hf_weights(model, reference_model.state_dict(), config)
+    return model
+
+
+@pytest.fixture(scope="module")
+def ours_fp32(reference, megatron_rank):
+    return build(reference[0])
+
+
+@pytest.mark.parametrize("name", ["text_only", "one_image", "two_images"])
+def test_fp32_logits_equal_transformers(reference, ours_fp32, name):
+    ids, pixels, grid, positions, expected = reference[1][name]
+    with torch.no_grad():
+        logits = ours_fp32(ids, positions, pixel_values=pixels, image_grid_thw=grid)
+    assert logits.shape == expected.shape
+    assert relative_error(logits, expected) < FP32_TOLERANCE
+
+
+def test_vision_embeddings_equal_transformers(reference, ours_fp32):
+    ids, pixels, grid, _, _ = reference[1]["two_images"]
+    with torch.no_grad():
+        expected = torch.cat(reference[0].model.get_image_features(pixels, grid))
+        ours = ours_fp32.vision_embeddings(pixels, grid)
+    assert ours.shape == expected.shape == (int(grid.prod(-1).sum()) // 4, CONFIG.hidden_size)
+    assert relative_error(ours, expected) < FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["one_image", "two_images"])
+def test_one_dimensional_positions_change_the_logits(reference, ours_fp32, name):
+    ids, pixels, grid, positions, expected = reference[1][name]
+    flat = torch.arange(ids.shape[1]).expand(3, 1, -1)
+    assert not torch.equal(flat, positions)
+    with torch.no_grad():
+        logits = ours_fp32(ids, flat, pixel_values=pixels, image_grid_thw=grid)
+    assert relative_error(logits, expected) > 100 * FP32_TOLERANCE
+
+
+def test_image_pads_without_pixels_are_refused(reference, ours_fp32):
+    ids, _, _, positions, _ = reference[1]["one_image"]
+    with pytest.raises(ValueError, match="no pixels"):
+        ours_fp32(ids, positions)
+
+
+@pytest.mark.parametrize("name", ["text_only", "two_images"])
+def test_bf16_logits_near_transformers(reference, megatron_rank, name):
+    from megatron.core.transformer.module import Float16Module
+
+    config = dataclasses.replace(CONFIG, params_dtype="bfloat16")
+    model = build(reference[0], config)
+    ours = Float16Module(model.config, model)  # as the driver wraps it: every weight in bf16, fp32 logits out
+    hf_bf16 = hf_model(CONFIG).to(torch.bfloat16)
+    ids, pixels, grid, positions, expected = reference[1][name]
+    with torch.no_grad():
+        logits = ours(ids, positions, pixel_values=pixels, image_grid_thw=grid)
+        hf_logits = hf_bf16(input_ids=ids, pixel_values=pixels, image_grid_thw=grid).logits
+    assert model.language_model.output_layer.weight.dtype == torch.bfloat16
+    assert model.vision_projection.layernorm.weight.dtype == torch.bfloat16
+    error, hf_error = relative_error(logits, expected), relative_error(hf_logits, expected)
+    assert error < BF16_TOLERANCE and error < 1.5 * hf_error, (error, hf_error)
