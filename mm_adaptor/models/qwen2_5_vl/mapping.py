@@ -25,11 +25,12 @@ def vision_config(config) -> dict:
 
 
 def tied(config) -> bool:
-    """Whether lm_head shares the embedding: the top-level flag (what the HF model ties by), else text_config's."""
+    """Whether lm_head shares the embedding, as transformers 4.57 decides it: text_config's flag where the config
+    has one (a top-level flag beside it is ignored), else the top-level flag; False when absent."""
     cfg = config_dict(config)
-    if "tie_word_embeddings" in cfg:
-        return bool(cfg["tie_word_embeddings"])
-    return bool(text_config(cfg).get("tie_word_embeddings", False))
+    if isinstance(cfg.get("text_config"), dict):
+        return bool(cfg["text_config"].get("tie_word_embeddings", False))
+    return bool(cfg.get("tie_word_embeddings", False))
 
 
 def dims(config) -> dict:

@@ -1,0 +1,78 @@
+"""`mm-adaptor convert hf-to-mcore | mcore-to-hf`: a refusal is one line and exit status 2, before anything is
+written; progress goes to stderr, one line per shard."""
+
+from __future__ import annotations
+
+import sys
+
+from mm_adaptor.arguments_errors import ArgumentParser, did_you_mean
+
+LAYOUT_NOTE = (
+    "A Megatron dist checkpoint holds whole tensors and megatron reshards it on load: TP and the pipeline splits "
+    "are the layout the conversion checks the model against (heads and key/value heads divisible by TP, TP at most "
+    "the key/value heads, splits that add up to the layer counts, the vision tower on the first stage) and records "
+    "in mm_adaptor_convert.json and the checkpoint's content metadata; the files are the same for any layout.")
+
+
+def _hf_to_mcore_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="mm-adaptor convert hf-to-mcore",
+                            description="Hugging Face directory -> Megatron dist checkpoint. " + LAYOUT_NOTE)
+    parser.add_argument("hf_dir", metavar="HF_DIR", help="config.json and safetensors (sharded with an index, or one)")
+    parser.add_argument("mcore_dir", metavar="MCORE_DIR", help="an empty or new directory; the driver's --load reads it")
+    parser.add_argument("--tensor-model-parallel-size", "--tp", type=int, default=1, dest="tp")
+    parser.add_argument("--llm-pp-layers", default=None,
+                        help="language layers per pipeline stage: [[12,16]] (MindSpeed-MM) or 12,16; default all on one")
+    parser.add_argument("--vit-pp-layers", default=None,
+                        help="vision layers per stage, all on the first: [[32,0]] or 32,0")
+    return parser
+
+
+def _mcore_to_hf_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="mm-adaptor convert mcore-to-hf",
+                            description="Megatron dist checkpoint -> Hugging Face directory that transformers loads "
+                                        "with from_pretrained (sharded safetensors + index, config, tokenizer files).")
+    parser.add_argument("mcore_dir", metavar="MCORE_DIR", help="written by hf-to-mcore (or a training run's --save)")
+    parser.add_argument("hf_dir", metavar="HF_DIR", help="an empty or new directory")
+    parser.add_argument("--hf-config", default=None,
+                        help="the HF config.json (default MCORE_DIR/hf/config.json, which hf-to-mcore wrote)")
+    parser.add_argument("--max-shard-size-gb", type=float, default=5.0, help="largest output shard (default 5)")
+    return parser
+
+
+COMMANDS = {"hf-to-mcore": _hf_to_mcore_parser, "mcore-to-hf": _mcore_to_hf_parser}
+
+
+def main(argv: list[str]) -> int:
+    top = ArgumentParser(prog="mm-adaptor convert", description="Convert checkpoints (Qwen2.5-VL). " + LAYOUT_NOTE,
+                         help_hint="`mm-adaptor convert --help` lists the directions")
+    top.add_argument("direction", choices=list(COMMANDS), help="hf-to-mcore or mcore-to-hf (each has --help)")
+    if not argv or argv[0].startswith("-"):
+        top.parse_args(argv or ["--help"])
+        return 2
+    if argv[0] not in COMMANDS:
+        hint = did_you_mean(argv[0], COMMANDS)
+        top.fail(f"unknown direction {argv[0]}" + (f": {hint}" if hint else "") + top.help_pointer())
+    parser = COMMANDS[argv[0]]()
+    args = parser.parse_args(argv[1:])
+
+    from mm_adaptor.convert import ConvertError
+
+    try:
+        if argv[0] == "hf-to-mcore":
+            from mm_adaptor.convert.hf_to_mcore import convert
+            from mm_adaptor.convert.layout import parse_layers
+
+            figures = convert(args.hf_dir, args.mcore_dir, args.tp,
+                              parse_layers(args.llm_pp_layers, "--llm-pp-layers"),
+                              parse_layers(args.vit_pp_layers, "--vit-pp-layers"))
+        else:
+            from mm_adaptor.convert.mcore_to_hf import convert
+
+            if args.max_shard_size_gb <= 0:
+                raise ConvertError(f"--max-shard-size-gb {args.max_shard_size_gb}: must be positive")
+            figures = convert(args.mcore_dir, args.hf_dir, args.hf_config, int(args.max_shard_size_gb * 1e9))
+    except ConvertError as error:
+        parser.fail(str(error))
+    print(f"{argv[0]}: {figures['tensors']} tensors, {figures['bytes'] / 1e9:.2f} GB in {figures['seconds']:.1f} s",
+          file=sys.stderr)
+    return 0

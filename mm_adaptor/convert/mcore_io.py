@@ -1,0 +1,207 @@
+"""Megatron distributed checkpoints, written piece by piece and read tensor group by tensor group.
+
+A dist checkpoint (torch_dist backend) is a `.metadata` file (torch.distributed.checkpoint's Metadata: every key's
+global shape and its chunks, and where each chunk's bytes lie) beside data files. A layer stack's key has one chunk
+per layer, so the converter saves each input shard's tensors with megatron's own dist_checkpointing.save into a
+piece of its own, then moves the pieces' data files into one directory and joins their Metadata. Megatron's load
+reads the result as if one save had written it (and reshards it to any TP/PP on load)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+MARKER = "latest_checkpointed_iteration.txt"  # what the built-in driver's --load reads (train/checkpoint.py)
+ITER_DIR = "iter_0000000"
+INFO = "mm_adaptor_convert.json"  # the conversion's layout and family, beside the HF config in hf/
+
+
+@contextlib.contextmanager
+def single_process_group():
+    """torch.distributed with one gloo rank, which dist_checkpointing needs (and, without CUDA, the CPU device
+    layer, since its writer synchronises CUDA); a no-op when a process group is already up."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    from mm_adaptor import devices
+    from mm_adaptor.launcher import free_port
+
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        devices.install("cpu")
+    saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        if cpu:
+            devices.uninstall()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def sharded_tensor(key: str, tensor, layer: int | None, layers: int | None):
+    """The ShardedTensor megatron's modules make for this tensor: a stack's layer as a slice of a leading axis."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if layer is None:
+        return ShardedTensor.from_rank_offsets(key, tensor, replica_id=0)
+    return ShardedTensor.from_rank_offsets(key, tensor, (0, layer, layers), replica_id=0, prepend_axis_num=1)
+
+
+def sharded_object(key: str, layer: int | None, layers: int | None):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    if layer is None:
+        return ShardedObject(key, None, (1,), (0,), replica_id=0)
+    return ShardedObject(key, None, (layers,), (layer,), replica_id=0)
+
+
+class PieceWriter:
+    """Saves groups of tensors as pieces under `staging`, then `finish` joins them into `final`.
+
+    Megatron's save wants every chunk of a key on some rank, so a piece holding layers 3 and 7 of a stack saves
+    them as a stack of its own ([2, ...]); `finish` moves those chunks to offsets 3 and 7 of the full stack."""
+
+    def __init__(self, staging: Path):
+        self.staging = Path(staging)
+        self.pieces: list[tuple[Path, dict]] = []
+
+    def save(self, tensors: list, objects: list = (), content_metadata: dict | None = None) -> None:
+        """tensors: (key, tensor, layer or None, stack size or None); objects: (key, layer, stack size). The first
+        piece's common state (content_metadata included) is the checkpoint's."""
+        from megatron.core import dist_checkpointing
+
+        stacks: dict[str, list[int]] = {}
+        for key, _, layer, _ in tensors:
+            if layer is not None:
+                stacks.setdefault(key, []).append(layer)
+        sharded, positions = {}, {}
+        for n, (key, tensor, layer, layers) in enumerate(tensors):
+            if layer is None:
+                sharded[f"t{n}"] = sharded_tensor(key, tensor, None, None)
+            else:
+                pos = positions[key] = positions.get(key, -1) + 1
+                sharded[f"t{n}"] = sharded_tensor(key, tensor, pos, len(stacks[key]))
+        for n, (key, layer, layers) in enumerate(objects):
+            sharded[f"o{n}"] = sharded_object(key, layer, layers)
+        totals = {key: layers for key, _, layer, layers in tensors if layer is not None}
+        piece = self.staging / f"piece_{len(self.pieces):05d}"
+        piece.mkdir(parents=True)
+        dist_checkpointing.save({"model": sharded, "iteration": 0}, str(piece), content_metadata=content_metadata)
+        self.pieces.append((piece, {key: (layers, totals[key]) for key, layers in stacks.items()}))
+
+    def finish(self, final: Path) -> None:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        final = Path(final)
+        final.mkdir(parents=True, exist_ok=True)
+        merged = None
+        for k, (piece, stacks) in enumerate(self.pieces):
+            with open(piece / ".metadata", "rb") as f:
+                meta = pickle.load(f)
+            renamed = {}
+            for name in sorted(os.listdir(piece)):
+                source = piece / name
+                if name.endswith(".distcp"):
+                    renamed[name] = f"__{k}_{name.split('_')[-1]}"  # __0_j.distcp -> __k_j.distcp
+                    os.replace(source, final / renamed[name])
+                elif name not in (".metadata", "metadata.json", "common.pt") or k == 0:
+                    os.replace(source, final / name)  # sharded objects' folders; piece 0's common state
+
+            def moved(fqn, offsets):
+                return offsets if fqn not in stacks else (stacks[fqn][0][offsets[0]], *offsets[1:])
+
+            for key, (layers, total) in stacks.items():
+                storage = meta.state_dict_metadata[key]
+                storage.size = type(storage.size)((total, *storage.size[1:]))
+                for chunk in storage.chunks:
+                    chunk.offsets = type(chunk.offsets)(moved(key, chunk.offsets))
+            storage_data = {}
+            for index, info in meta.storage_data.items():
+                info.relative_path = renamed[info.relative_path]
+                offset = None if index.offset is None else type(index.offset)(moved(index.fqn, index.offset))
+                storage_data[MetadataIndex(index.fqn, offset)] = info
+            meta.storage_data = storage_data
+            if merged is None:
+                merged = meta
+                continue
+            for key, storage in meta.state_dict_metadata.items():
+                if key in merged.state_dict_metadata:
+                    merged.state_dict_metadata[key].chunks.extend(storage.chunks)
+                else:
+                    merged.state_dict_metadata[key] = storage
+            merged.storage_data.update(meta.storage_data)
+            if isinstance(merged.planner_data, dict) and isinstance(meta.planner_data, dict):
+                merged.planner_data.update(meta.planner_data)
+        # the index hint of each chunk's storage entry: its position in the joined chunk list
+        position = {(key, tuple(chunk.offsets)): i for key, storage in merged.state_dict_metadata.items()
+                    for i, chunk in enumerate(getattr(storage, "chunks", []))}
+        merged.storage_data = {
+            MetadataIndex(index.fqn, index.offset, position.get((index.fqn, tuple(index.offset or ())))): info
+            for index, info in merged.storage_data.items()}
+        with open(final / ".metadata", "wb") as f:
+            pickle.dump(merged, f)
+        shutil.rmtree(self.staging)
+
+
+class Reader:
+    """Reads one layer of a key (or a whole non-stack key) of a torch_dist checkpoint straight from its chunks, so
+    memory holds one tensor at a time (megatron's load on one rank wants whole keys). Chunks of any layout
+    (this converter's, or a training run's TP/PP slices) are joined."""
+
+    def __init__(self, checkpoint: Path):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.path = Path(checkpoint)
+        self.meta = FileSystemReader(str(self.path)).read_metadata()
+
+    def tensors(self) -> dict:
+        """{key: (global shape, dtype)} of the checkpoint's tensors."""
+        return {key: (tuple(storage.size), storage.properties.dtype)
+                for key, storage in self.meta.state_dict_metadata.items() if hasattr(storage, "chunks")}
+
+    def read(self, key: str, layer: int | None = None):
+        import io
+
+        import torch
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        storage = self.meta.state_dict_metadata[key]
+        shape = tuple(storage.size) if layer is None else tuple(storage.size)[1:]
+        out = torch.empty(shape, dtype=storage.properties.dtype)
+        for chunk in storage.chunks:
+            offsets, sizes = list(chunk.offsets), list(chunk.sizes)
+            if layer is not None and not offsets[0] <= layer < offsets[0] + sizes[0]:
+                continue
+            info = self.meta.storage_data[MetadataIndex(key, chunk.offsets)]
+            if info.transform_descriptors:
+                raise ValueError(f"{key}: stored with transforms {info.transform_descriptors}, not read here")
+            with open(self.path / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                data = torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
+            if layer is not None:
+                data, offsets = data[layer - offsets[0]], offsets[1:]
+            target = out
+            for dim, (start, size) in enumerate(zip(offsets, data.shape)):
+                target = target.narrow(dim, start, size)
+            target.copy_(data)
+        return out
+
+
+def load_group(checkpoint: Path, requests: dict) -> dict:
+    """megatron's own load of {name: ShardedTensor} (whole keys on one rank), used by the tests to cross-check."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load({"model": requests}, str(checkpoint), validate_access_integrity=False)["model"]
