@@ -2,10 +2,14 @@
 plus an int16 residual, for --reuse-fp32-param.
 
 split: residual = word - (high << 16), computed exactly; where that does not fit int16 (a tie rounded down to
-even, a NaN, or a high half that is not the word's rounding) the residual is clamped and the position listed in
-`index` (ascending), so the caller keeps those words whole. join writes high << 16 + residual, then the kept
-words at `index`. Native kernels: csrc/cpu/fp32_words.cpp, csrc/cuda/fp32_words.cu (one fused pass each way;
-the reference below needs int64 temporaries and several passes)."""
+even, a NaN, or a high half that is not the word's rounding) the residual is clamped and the word kept whole in an
+exception list. The op never reads anything back to the host: it writes at most `capacity` exceptions (positions
+and words) into fixed-size buffers and their true number into a one-element device counter. split_fp32_words_many
+splits a list of tensors and reads all their counters to the host at once (counts_to_host: one synchronisation per
+list, not per tensor), trims each list to its count and sorts it, and splits again the rare tensor whose
+exceptions overflowed its buffer. join writes high << 16 + residual, then the kept words at `index`. Native
+kernels: csrc/cpu/fp32_words.cpp, csrc/cuda/fp32_words.cu (one fused pass each way; the reference below needs
+int64 temporaries and several passes)."""
 
 from __future__ import annotations
 
@@ -23,7 +27,13 @@ def _check(main, model):
                          f"{main.dtype}[{main.numel()}] and {model.dtype}[{model.numel()}]")
 
 
-def reference_split(main, model):
+def exception_capacity(numel: int) -> int:
+    """Room for exceptions in a first split: rounded model values give about one per 131072 words (ties rounded
+    down to even); a tensor with more is split again."""
+    return 64 + numel // 1024
+
+
+def reference_split(main, model, capacity):
     _check(main, model)
     words, high_halves = main.reshape(-1).view(torch.int32), model.reshape(-1).view(torch.int16)
     residual = torch.empty(words.numel(), dtype=torch.int16, device=main.device)
@@ -35,8 +45,14 @@ def reference_split(main, model):
         if outside.numel():
             indices.append(outside + start)
         residual[start:end] = diff.clamp_(INT16_MIN, INT16_MAX)
-    index = torch.cat(indices) if indices else torch.empty(0, dtype=torch.int64, device=main.device)
-    return residual, index
+    found = torch.cat(indices) if indices else torch.empty(0, dtype=torch.int64, device=main.device)
+    listed = found[:capacity]
+    index = torch.full((capacity,), -1, dtype=torch.int64, device=main.device)
+    kept = torch.zeros(capacity, dtype=torch.int32, device=main.device)
+    index[:listed.numel()] = listed
+    kept[:listed.numel()] = words[listed]
+    count = torch.full((1,), found.numel(), dtype=torch.int64, device=main.device)
+    return residual, index, kept, count
 
 
 def reference_join(model, residual, index, kept, out):
@@ -49,9 +65,9 @@ def reference_join(model, residual, index, kept, out):
         words[index] = kept
 
 
-def fake_split(main, model):
-    exceptions = torch.library.get_ctx().new_dynamic_size()
-    return main.new_empty(main.numel(), dtype=torch.int16), main.new_empty(exceptions, dtype=torch.int64)
+def fake_split(main, model, capacity):
+    return (main.new_empty(main.numel(), dtype=torch.int16), main.new_empty(capacity, dtype=torch.int64),
+            main.new_empty(capacity, dtype=torch.int32), main.new_empty(1, dtype=torch.int64))
 
 
 def fake_join(model, residual, index, kept, out):
@@ -59,7 +75,8 @@ def fake_join(model, residual, index, kept, out):
 
 
 SPECS = register(
-    OpSpec("split_fp32_words", "(Tensor main, Tensor model) -> (Tensor, Tensor)", reference_split, fake_split,
+    OpSpec("split_fp32_words", "(Tensor main, Tensor model, int capacity) -> (Tensor, Tensor, Tensor, Tensor)",
+           reference_split, fake_split,
            native=("cpu", "cuda")),
     OpSpec("join_fp32_words", "(Tensor model, Tensor residual, Tensor index, Tensor kept, Tensor(a!) out) -> ()",
            reference_join, fake_join, native=("cpu", "cuda")),
@@ -67,12 +84,32 @@ SPECS = register(
 
 
 def split_fp32_words(main: torch.Tensor, model: torch.Tensor):
-    """(residual int16, exception indices int64, exception words int32) from which join_fp32_words restores
-    `main` bit for bit. main: contiguous fp32; model: bf16 of the same numel (any values)."""
-    _check(main, model)
-    ensure(main.device.type)
-    residual, index = op("split_fp32_words")(main.reshape(-1), model.reshape(-1))
-    return residual, index, main.reshape(-1).view(torch.int32)[index]
+    """(residual int16, exception indices int64 ascending, exception words int32) from which join_fp32_words
+    restores `main` bit for bit. main: contiguous fp32; model: bf16 of the same numel (any values). One host
+    synchronisation: split many tensors with split_fp32_words_many."""
+    return split_fp32_words_many([(main, model)])[0]
+
+
+def split_fp32_words_many(pairs) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """split_fp32_words of each (main, model), reading the exception counts to the host once for the whole list."""
+    bounded = []
+    for main, model in pairs:
+        _check(main, model)
+        ensure(main.device.type)
+        bounded.append(op("split_fp32_words")(main.reshape(-1), model.reshape(-1), exception_capacity(main.numel())))
+    counts = counts_to_host([count for *_, count in bounded])
+    splits = []
+    for (main, model), (residual, index, kept, _), count in zip(pairs, bounded, counts):
+        if count > index.numel():  # more exceptions than room: split again with room for all of them
+            residual, index, kept, _ = op("split_fp32_words")(main.reshape(-1), model.reshape(-1), count)
+        index, order = index[:count].sort()  # ascending on every device (a CUDA kernel lists them in any order)
+        splits.append((residual, index, kept[:count][order]))
+    return splits
+
+
+def counts_to_host(counts: list[torch.Tensor]) -> list[int]:
+    """The one place a split waits for the device: every counter of a batch read back together."""
+    return torch.cat(counts).tolist() if counts else []
 
 
 def join_fp32_words(out: torch.Tensor, model: torch.Tensor, residual, index, kept) -> None:

@@ -18,20 +18,25 @@ from __future__ import annotations
 
 import torch
 
-from mm_adaptor.ops.fp32_words import join_fp32_words, split_fp32_words
+from mm_adaptor.ops.fp32_words import join_fp32_words, split_fp32_words_many
 from mm_adaptor.patches.optimizer.batched_step import batches_by_bytes
 from mm_adaptor.patches.optimizer.state_holder import DISTRIBUTED, FLOAT16, OPTIMIZER, HolderPatches, holder_of, \
     main_and_model_pairs
 
 
 def split_words(main: torch.Tensor, model: torch.Tensor, keep_low_bits: bool = True):
-    """split_fp32_words; keep_low_bits=False is the deliberately broken split (the low halves lost) that the
-    harness self-test must reject."""
-    residual, index, kept = split_fp32_words(main, model)
+    return split_many([(main, model)], keep_low_bits)[0]
+
+
+def split_many(pairs, keep_low_bits: bool = True):
+    """split_fp32_words of each pair with one host synchronisation for all; keep_low_bits=False is the
+    deliberately broken split (the low halves lost) that the harness self-test must reject."""
+    splits = split_fp32_words_many(pairs)
     if not keep_low_bits:
-        residual.zero_()
-        index, kept = index[:0], kept[:0]
-    return residual, index, kept
+        for residual, _, _ in splits:
+            residual.zero_()
+        splits = [(residual, index[:0], kept[:0]) for residual, index, kept in splits]
+    return splits
 
 
 class ReusedMainParams:
@@ -52,17 +57,18 @@ class ReusedMainParams:
         self.steps = 0
         self.most_joined_bytes = 0  # whole on the device at once for a save
         self._batches: list[list[int]] = []
-        for i in range(len(self.pairs)):
-            self._split(i)
+        self.split_all()
 
     # -- one pair ----------------------------------------------------------------------------------------------
     def _whole(self, i) -> bool:
         return self.splits[i] is None
 
-    def _split(self, i) -> None:
-        main, model = self.pairs[i]
-        self.splits[i] = split_words(main.detach(), model.detach(), self.keep_low_bits)
-        main.untyped_storage().resize_(0)
+    def _split(self, indices) -> None:
+        """Split the pairs at `indices` (a batch: their counts come to the host together) and release their mains."""
+        pairs = [(self.pairs[i][0].detach(), self.pairs[i][1].detach()) for i in indices]
+        for i, split in zip(indices, split_many(pairs, self.keep_low_bits)):
+            self.splits[i] = split
+            self.pairs[i][0].untyped_storage().resize_(0)
 
     def _join(self, i) -> None:
         main, model = self.pairs[i]
@@ -111,10 +117,10 @@ class ReusedMainParams:
         self.snapshot = True
 
     def split_all(self) -> None:
+        """Split every whole main parameter, a batch at a time (one host synchronisation per batch)."""
         self.drop_snapshot()
-        for i in range(len(self.pairs)):
-            if self._whole(i):
-                self._split(i)
+        for batch in self.batches():
+            self._split([i for i in batch if self._whole(i)])
 
     def batches(self) -> list[list[int]]:
         return batches_by_bytes([main for main, _ in self.pairs], self.budget_bytes)
@@ -133,8 +139,7 @@ class ReusedMainParams:
                 self._join(i)
 
     def after(self, n) -> None:  # the holder copied the batch into the model (megatron's round to nearest even)
-        for i in self._batches[n]:
-            self._split(i)
+        self._split(self._batches[n])
 
     def end_step(self) -> None:
         self.steps += 1

@@ -208,9 +208,8 @@ OPCHECK_CASES = [
     ("grouped_matmul_bwd", lambda: (torch.randn(6, 5), torch.randn(6, 4), torch.randn(3, 4, 5),
                                     torch.tensor([2, 0, 4]))),
     ("host_mapped_copy", lambda: (torch.randn(3, 5),)),
-    ("split_fp32_words", lambda: _words_with_exceptions()),
-    ("join_fp32_words", lambda: (lambda main, model: (model, *op("split_fp32_words")(main, model),
-                                                      main.view(torch.int32)[op("split_fp32_words")(main, model)[1]],
+    ("split_fp32_words", lambda: (*_words_with_exceptions(), 4)),
+    ("join_fp32_words", lambda: (lambda main, model: (model, *ops.split_fp32_words(main, model),
                                                       torch.empty_like(main)))(*_words_with_exceptions())),
 ]
 
@@ -291,9 +290,35 @@ def test_fp32_words_split_and_join(numel, device):
     model[::11] = torch.randn(model[::11].shape, generator=gen).to(torch.bfloat16)
     main_d, model_d = on(device, main, model)
     residual, index, kept = ops.split_fp32_words(main_d, model_d)
-    ref_residual, ref_index = reference("split_fp32_words")(main, model)
+    ref_residual, ref_index, _, ref_count = reference("split_fp32_words")(main, model, numel)
+    ref_index = ref_index[:int(ref_count)]
     assert torch.equal(residual.cpu(), ref_residual) and torch.equal(index.cpu(), ref_index)
     poison_allocator(device)
     out = torch.empty_like(main_d)
     ops.join_fp32_words(out, model_d, residual, index, kept)
     assert torch.equal(out.cpu().view(torch.int32), main.view(torch.int32))
+
+
+@pytest.mark.parametrize("capacity", [0, 1, 3, 50])
+def test_fp32_words_split_lists_at_most_capacity_and_counts_all(capacity, device):
+    """The split never sizes an output from the data (no read back to the host): exceptions fill a buffer of
+    `capacity` entries and a device counter holds how many there are; the wrapper splits again on overflow."""
+    words = torch.randn(9000, generator=torch.Generator().manual_seed(3)).view(torch.int32)
+    words[::300] = (words[::300] >> 17 << 17) + 0x8000  # ties with an even high half: rounded down, kept whole
+    main = words.view(torch.float32)
+    model = main.to(torch.bfloat16)
+    main_d, model_d = on(device, main, model)
+    residual, index, kept, count = op("split_fp32_words")(main_d, model_d, capacity)
+    expected = reference("split_fp32_words")(main, model, 9000)[1]
+    expected = expected[expected >= 0]
+    assert expected.numel() == 30 and index.shape == kept.shape == (capacity,) and count.device == main_d.device
+    assert int(count) == 30
+    listed = min(capacity, 30)
+    got = index.cpu()[:listed].sort().values
+    if capacity >= 30:
+        assert torch.equal(got, expected) and torch.equal(index.cpu()[30:], torch.full((capacity - 30,), -1))
+    else:  # which ones fill the buffer is the kernel's choice; each listed one is a true exception
+        assert set(got.tolist()) <= set(expected.tolist())
+    assert torch.equal(kept.cpu()[:listed], main.view(torch.int32)[index.cpu()[:listed]])
+    full_residual, full_index, full_kept = ops.split_fp32_words(main_d, model_d)
+    assert torch.equal(full_index.cpu(), expected) and torch.equal(full_residual.cpu(), residual.cpu())

@@ -15,8 +15,8 @@ from mm_adaptor.patches.optimizer.state_holder import OptimizerStateHolder
 
 
 def reference_split(main, model):
-    residual, index = fp32_words.reference_split(main, model)
-    return residual, index, main.view(torch.int32)[index]
+    residual, index, kept, count = fp32_words.reference_split(main, model, main.numel())
+    return residual, index[:int(count)], kept[:int(count)]
 
 
 # the native kernels (what the feature runs) and the plain-PyTorch references they are checked against
@@ -178,3 +178,30 @@ def test_virtual_optimizer_value_is_optional():
     assert parse_args(["--virtual-optimizer"]).virtual_optimizer == math.inf
     assert parse_args(["--virtual-optimizer", "2.5", "--bf16"]).virtual_optimizer == 2.5
     assert parse_args([]).virtual_optimizer is None
+
+
+@pytest.mark.parametrize("budget_bytes", [2**30, 4096], ids=["one-batch", "batches-of-4KiB"])
+def test_host_syncs_per_step_follow_batches_not_parameters(budget_bytes, monkeypatch):
+    """The split reads its exception counts to the host once per batch (fp32_words.counts_to_host, the one read
+    back the CPU and CUDA paths share), so a step with 10x the parameters of the same total size waits as often."""
+    synced = []
+    to_host = fp32_words.counts_to_host
+    monkeypatch.setattr(fp32_words, "counts_to_host", lambda counts: synced.append(len(counts)) or to_host(counts))
+
+    def syncs_per_step(pieces):
+        g = torch.Generator().manual_seed(pieces)
+        models = [torch.randn(4000 // pieces, generator=g).to(torch.bfloat16) for _ in range(pieces)]
+        mains = [m.float().requires_grad_(True) for m in models]
+        holder = OptimizerStateHolder(torch.optim.AdamW(mains, lr=1e-2))
+        reused = ReusedMainParams(zip(mains, models), budget_bytes=budget_bytes)
+        holder.adopt(reused)
+        for main in mains:
+            main.grad = torch.randn(main.shape, generator=g)
+        synced.clear()
+        holder.step({id(main): model for main, model in zip(mains, models)})
+        assert sum(synced) == pieces, "every parameter was split, its count read back with its batch's"
+        return len(synced), len(reused.batches())
+
+    (few_syncs, few_batches), (many_syncs, many_batches) = syncs_per_step(4), syncs_per_step(40)
+    assert few_syncs == few_batches and many_syncs == many_batches, "one read back per batch"
+    assert many_syncs == few_syncs, "ten times the parameters, as many read backs"

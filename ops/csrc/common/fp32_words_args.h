@@ -5,7 +5,8 @@
 
 namespace mm_adaptor::fp32_words {
 
-inline void check_split_args(const at::Tensor& main, const at::Tensor& model) {
+inline void check_split_args(const at::Tensor& main, const at::Tensor& model, int64_t capacity) {
+  TORCH_CHECK(capacity >= 0, "split_fp32_words: capacity ", capacity, " is negative");
   TORCH_CHECK(main.scalar_type() == at::kFloat && model.scalar_type() == at::kBFloat16,
               "split_fp32_words: fp32 words and bf16 high halves expected, got ", main.scalar_type(), " and ",
               model.scalar_type());

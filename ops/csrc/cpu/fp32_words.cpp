@@ -13,8 +13,11 @@ using namespace mm_adaptor::cpu;
 
 constexpr int64_t kBlock = 4096;  // a block with a word outside int16 is scanned again for its positions
 
-std::tuple<at::Tensor, at::Tensor> split_fp32_words(const at::Tensor& main_in, const at::Tensor& model_in) {
-  mm_adaptor::fp32_words::check_split_args(main_in, model_in);
+// The first `capacity` exceptions (ascending) with their words; the rest of both buffers -1 and 0; count: how many.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> split_fp32_words(const at::Tensor& main_in,
+                                                                            const at::Tensor& model_in,
+                                                                            int64_t capacity) {
+  mm_adaptor::fp32_words::check_split_args(main_in, model_in, capacity);
   const auto main = main_in.contiguous();
   const auto model = model_in.contiguous();
   const int64_t n = main.numel();
@@ -40,12 +43,21 @@ std::tuple<at::Tensor, at::Tensor> split_fp32_words(const at::Tensor& main_in, c
       }
     }
   });
+  auto index = at::full({capacity}, -1, main.options().dtype(at::kLong));
+  auto kept = at::zeros({capacity}, main.options().dtype(at::kInt));
+  auto* at_index = index.data_ptr<int64_t>();
+  auto* kept_words = kept.data_ptr<int32_t>();
   int64_t count = 0;
-  for (const auto& block : outside) count += static_cast<int64_t>(block.size());
-  auto index = at::empty({count}, main.options().dtype(at::kLong));
-  auto* out = index.data_ptr<int64_t>();
-  for (const auto& block : outside) out = std::copy(block.begin(), block.end(), out);
-  return {residual, index};
+  for (const auto& block : outside) {
+    for (const int64_t i : block) {
+      if (count < capacity) {
+        at_index[count] = i;
+        kept_words[count] = words[i];
+      }
+      ++count;
+    }
+  }
+  return {residual, index, kept, at::full({1}, count, main.options().dtype(at::kLong))};
 }
 
 void join_fp32_words(const at::Tensor& model, const at::Tensor& residual, const at::Tensor& index,

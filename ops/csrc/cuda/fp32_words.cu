@@ -1,6 +1,7 @@
-// split_fp32_words / join_fp32_words on CUDA: one fused pass each way. The split counts the words whose
-// residual does not fit int16 (one warp vote and atomic per warp); only when there are any does a second pass
-// list their positions, sorted so the result is the same as on the CPU.
+// split_fp32_words / join_fp32_words on CUDA: one fused pass each way. The split lists the words whose residual
+// does not fit int16 (position and word) into buffers of `capacity` entries, one warp vote and atomic per warp,
+// and counts them all in a device counter; nothing is read back to the host (the caller reads the counters of a
+// whole batch at once, sorts the lists and splits again a tensor that overflowed).
 #include <torch/library.h>
 
 #include <algorithm>
@@ -20,25 +21,31 @@ __device__ __forceinline__ int64_t residual_of(int32_t word, int16_t high) {
 __device__ __forceinline__ bool outside_int16(int64_t diff) { return diff < -32768 || diff > 32767; }
 
 __global__ void split_kernel(const int32_t* __restrict__ words, const int16_t* __restrict__ highs,
-                             int16_t* __restrict__ residual, int64_t n, unsigned long long* __restrict__ outside) {
+                             int16_t* __restrict__ residual, int64_t n, int64_t* __restrict__ index,
+                             int32_t* __restrict__ kept, int64_t capacity, unsigned long long* __restrict__ count) {
+  const unsigned lane = threadIdx.x & 31;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i - threadIdx.x < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     bool out = false;
+    int32_t word = 0;
     if (i < n) {
-      const int64_t diff = residual_of(words[i], highs[i]);
+      word = words[i];
+      const int64_t diff = residual_of(word, highs[i]);
       out = outside_int16(diff);
       residual[i] = static_cast<int16_t>(diff < -32768 ? -32768 : (diff > 32767 ? 32767 : diff));
     }
     const unsigned votes = __ballot_sync(0xffffffffu, out);
-    if (votes && (threadIdx.x & 31) == 0) atomicAdd(outside, static_cast<unsigned long long>(__popc(votes)));
-  }
-}
-
-__global__ void list_outside_kernel(const int32_t* __restrict__ words, const int16_t* __restrict__ highs, int64_t n,
-                                    int64_t* __restrict__ index, unsigned long long* __restrict__ slot) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    if (outside_int16(residual_of(words[i], highs[i]))) index[atomicAdd(slot, 1ull)] = i;
+    if (!votes) continue;
+    unsigned long long base = 0;
+    if (lane == 0) base = atomicAdd(count, static_cast<unsigned long long>(__popc(votes)));
+    base = __shfl_sync(0xffffffffu, base, 0);
+    if (out) {
+      const auto slot = static_cast<int64_t>(base + __popc(votes & ((1u << lane) - 1u)));
+      if (slot < capacity) {
+        index[slot] = i;
+        kept[slot] = word;
+      }
+    }
   }
 }
 
@@ -56,30 +63,25 @@ int blocks_for(int64_t n) {
   return static_cast<int>(std::max<int64_t>(1, blocks));
 }
 
-std::tuple<at::Tensor, at::Tensor> split_fp32_words_cuda(const at::Tensor& main_in, const at::Tensor& model_in) {
-  mm_adaptor::fp32_words::check_split_args(main_in, model_in);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> split_fp32_words_cuda(const at::Tensor& main_in,
+                                                                                  const at::Tensor& model_in,
+                                                                                  int64_t capacity) {
+  mm_adaptor::fp32_words::check_split_args(main_in, model_in, capacity);
   const c10::cuda::CUDAGuard guard(main_in.device());
   const auto main = main_in.contiguous();
   const auto model = model_in.contiguous();
   const int64_t n = main.numel();
   auto residual = at::empty({n}, main.options().dtype(at::kShort));
-  if (n == 0) return {residual, at::empty({0}, main.options().dtype(at::kLong))};
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-  const auto* words = reinterpret_cast<const int32_t*>(main.data_ptr());
-  const auto* highs = reinterpret_cast<const int16_t*>(model.data_ptr());
-  auto counters = at::zeros({2}, main.options().dtype(at::kLong));
-  auto* outside = reinterpret_cast<unsigned long long*>(counters.data_ptr<int64_t>());
-  split_kernel<<<blocks_for(n), kThreads, 0, stream>>>(words, highs, residual.data_ptr<int16_t>(), n, outside);
+  auto index = at::full({capacity}, -1, main.options().dtype(at::kLong));
+  auto kept = at::zeros({capacity}, main.options().dtype(at::kInt));
+  auto count = at::zeros({1}, main.options().dtype(at::kLong));
+  if (n == 0) return {residual, index, kept, count};
+  split_kernel<<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const int32_t*>(main.data_ptr()), reinterpret_cast<const int16_t*>(model.data_ptr()),
+      residual.data_ptr<int16_t>(), n, index.data_ptr<int64_t>(), kept.data_ptr<int32_t>(), capacity,
+      reinterpret_cast<unsigned long long*>(count.data_ptr<int64_t>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const int64_t count = counters[0].item<int64_t>();  // the one synchronisation: the index's size
-  auto index = at::empty({count}, main.options().dtype(at::kLong));
-  if (count > 0) {
-    list_outside_kernel<<<blocks_for(n), kThreads, 0, stream>>>(words, highs, n, index.data_ptr<int64_t>(),
-                                                                 outside + 1);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    index = std::get<0>(index.sort());
-  }
-  return {residual, index};
+  return {residual, index, kept, count};
 }
 
 void join_fp32_words_cuda(const at::Tensor& model, const at::Tensor& residual, const at::Tensor& index,
