@@ -67,6 +67,28 @@ def _virtual_size(options):
     return None
 
 
+def microbatches_per_step(options) -> int | None:
+    """Micro-batches per step per data-parallel rank: the built-in driver's num_microbatches, or what Megatron-LM's
+    arguments hold (it keeps the count in its micro-batch calculator, not in args); None when not known or not
+    fixed (--rampup-batch-size)."""
+    given = getattr(options, "num_microbatches", None)
+    if given:
+        return given
+    if getattr(options, "rampup_batch_size", None):
+        return None
+    global_batch, micro_batch = getattr(options, "global_batch_size", None), getattr(options, "micro_batch_size", None)
+    data_parallel = getattr(options, "data_parallel_size", None)
+    world = getattr(options, "world_size", None)
+    if not data_parallel and world:
+        model_parallel = 1
+        for dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            model_parallel *= getattr(options, dest, None) or 1
+        data_parallel = world // model_parallel
+    if global_batch and micro_batch and data_parallel:
+        return global_batch // (micro_batch * data_parallel) or None
+    return None
+
+
 def refusal_for(options) -> str | None:
     """One line naming the flags that cannot work together, or None."""
     if not getattr(options, "vpp_extra_warmup", False):
@@ -81,7 +103,7 @@ def refusal_for(options) -> str | None:
     if getattr(options, "overlap_moe_expert_parallel_comm", False):
         return (f"{MAIN} and --overlap-moe-expert-parallel-comm both add warm-up forwards (that one its own one, with "
                 f"its combined 1F1B schedule): keep one")
-    microbatches = getattr(options, "num_microbatches", None)
+    microbatches = microbatches_per_step(options)
     if microbatches:
         group = getattr(options, "microbatch_group_size_per_vp_stage", None) or pp
         first_stage_warmup = 2 * (pp - 1) + (vpp - 1) * group

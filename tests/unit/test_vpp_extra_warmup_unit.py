@@ -7,6 +7,7 @@ import pytest
 
 from refusals import assert_refused_in_one_line
 
+from mm_adaptor.features import get
 from mm_adaptor.patches.pipeline.vpp_extra_warmup import warmup_with_extra
 
 
@@ -47,3 +48,34 @@ def test_warmup_length(extra, total, warmup, expected):
 def test_evaluation_and_plain_pipelines_keep_megatrons_warmup():
     assert warmup_with_extra(1)(megatron(8, 4), None, (4, 2, 2), {"forward_only": True}) == (8, False, 4, 4)
     assert warmup_with_extra(1)(megatron(4, 1), None, (4, 1, 2), {}) == (4, False, 1, 3)
+
+
+def megatron_lm_args(**kw):
+    """Shaped like Megatron-LM's parsed and validated arguments: no num_microbatches (Megatron-LM keeps the count
+    in its micro-batch calculator), the batch sizes and the parallel sizes instead."""
+    base = dict(vpp_extra_warmup=True, vpp_extra_warmup_microbatches=None, world_size=8,
+                tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=1,
+                data_parallel_size=2, global_batch_size=8, micro_batch_size=2, rampup_batch_size=None, num_layers=4,
+                num_layers_per_virtual_pipeline_stage=1, virtual_pipeline_model_parallel_size=2)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("kw,expected", [
+    (dict(), 2),                                    # 8 / (2 x 2)
+    (dict(data_parallel_size=None), 2),             # world 8 / (TP2 x PP2 x CP1) = DP 2
+    (dict(data_parallel_size=None, context_parallel_size=2, global_batch_size=16), 8),  # DP 1
+    (dict(rampup_batch_size=["4", "4", "100"]), None),  # the count changes during training
+    (dict(global_batch_size=None), None),
+])
+def test_microbatches_from_megatron_lm_arguments(kw, expected):
+    from mm_adaptor.feature_flags.vpp_extra_warmup import microbatches_per_step
+
+    assert microbatches_per_step(megatron_lm_args(**kw)) == expected
+
+
+def test_every_microbatch_in_warmup_is_refused_under_megatron_lm_arguments():
+    args = megatron_lm_args()
+    assert not hasattr(args, "num_microbatches")
+    assert_refused_in_one_line("vpp-extra-warmup", args, ["2 micro-batches x 2 model chunks", "--global-batch-size"])
+    get("vpp-extra-warmup").validate(megatron_lm_args(global_batch_size=32))  # 8 micro-batches: accepted
