@@ -121,3 +121,45 @@ def test_bf16_logits_near_transformers(reference, megatron_rank, name):
     assert model.vision_projection.layernorm.weight.dtype == torch.bfloat16
     error, hf_error = relative_error(logits, expected), relative_error(hf_logits, expected)
     assert error < BF16_TOLERANCE and error < 1.5 * hf_error, (error, hf_error)
+
+
+GRADIENT_PAIRS = {  # ours: transformers' (in-memory names)
+    "vision_model.patch_embed.proj.weight": "model.visual.patch_embed.proj.weight",
+    "vision_model.decoder.layers.0.self_attention.linear_proj.weight": "model.visual.blocks.0.attn.proj.weight",
+    "vision_model.decoder.layers.1.mlp.linear_fc2.weight": "model.visual.blocks.1.mlp.down_proj.weight",
+    "vision_projection.encoder.linear_fc2.weight": "model.visual.merger.mlp.2.weight",
+    "language_model.embedding.word_embeddings.weight": "model.language_model.embed_tokens.weight",
+    "language_model.decoder.layers.3.mlp.linear_fc2.weight": "model.language_model.layers.3.mlp.down_proj.weight",
+    "language_model.output_layer.weight": "lm_head.weight",
+}
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "full_recompute"])
+def test_loss_and_gradients_equal_transformers(reference, megatron_rank, monkeypatch, recompute):
+    """Training: the per-token loss (labels shifted by the caller) and gradients through both towers.
+    Measured: loss 7.6e-8 relative, gradients 1.4e-7 .. 4.8e-7 relative (with and without activation recompute)."""
+    from megatron.core import tensor_parallel
+
+    checkpointed = []
+    checkpoint = tensor_parallel.checkpoint
+    monkeypatch.setattr(tensor_parallel, "checkpoint",
+                        lambda function, *args: checkpointed.append(function) or checkpoint(function, *args))
+    extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+    ours = build(reference[0], dataclasses.replace(CONFIG, extra=extra)).train()
+    theirs = hf_model(CONFIG)
+    ids, pixels, grid, positions, _ = reference[1]["two_images"]
+    hf_loss = theirs(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, labels=ids).loss
+    hf_loss.backward()
+    labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+    per_token = ours(ids, positions, labels=labels, pixel_values=pixels, image_grid_thw=grid)
+    loss = per_token[:, :-1].mean()
+    loss.backward()
+    assert abs(loss.item() - hf_loss.item()) < FP32_TOLERANCE * hf_loss.item()
+    # one checkpoint per layer: 2 vision + 4 language (the vision masks travel as one tensor through it)
+    assert len(checkpointed) == (CONFIG.vision_depth + CONFIG.num_layers if recompute else 0)
+    ours_params, their_params = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    for mine, hf_name in GRADIENT_PAIRS.items():
+        expected = their_params[hf_name].grad
+        grad = ours_params[mine].grad
+        assert grad is not None and expected.abs().max() > 0, mine
+        assert relative_error(grad, expected.reshape(grad.shape)) < 10 * FP32_TOLERANCE, mine

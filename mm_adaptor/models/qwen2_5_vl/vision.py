@@ -27,15 +27,16 @@ from mm_adaptor.models.qwen2_5_vl.config import Qwen25VLConfig, _dtype
 
 
 class VisionTransformerLayer(TransformerLayer):
-    """A TransformerLayer handed a (whole frame, windowed) pair of masks; uses the one its index asks for."""
+    """A TransformerLayer handed the whole-frame and windowed masks stacked ([2, 1, 1, n, n]: one tensor, so that
+    activation recompute can save it); uses the one its index asks for."""
 
     def __init__(self, *args, full_attention_layers=(), **kwargs):
         super().__init__(*args, **kwargs)
         self.full_attention = (self.layer_number - 1) in tuple(full_attention_layers)
 
     def forward(self, *args, attention_mask=None, **kwargs):
-        whole, windowed = attention_mask
-        return super().forward(*args, attention_mask=whole if self.full_attention else windowed, **kwargs)
+        mask = attention_mask[0 if self.full_attention else 1]
+        return super().forward(*args, attention_mask=mask, **kwargs)
 
 
 def vision_layer_spec(config: Qwen25VLConfig):
@@ -141,7 +142,8 @@ class VisionModel(MegatronModule):
         freqs = freqs.view(patches // unit, unit, -1)[order.to(freqs.device)].view(patches, -1)
         rotary = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
 
-        masks = tuple(_block_diagonal_mask(seg.repeat_interleave(unit).to(hidden.device)) for seg in (frames, windows))
+        masks = torch.stack([_block_diagonal_mask(seg.repeat_interleave(unit).to(hidden.device))
+                             for seg in (frames, windows)])
         hidden = self.decoder(hidden_states=hidden, attention_mask=masks, rotary_pos_emb=rotary)
         return hidden, order
 
