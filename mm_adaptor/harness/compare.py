@@ -168,10 +168,19 @@ def compare(feature_args: list[str], *, layout: str | None = None, extra_args: l
     precision = verdict.precision_of(vars(on_args))
     limits = verdict.limits_for(tol, precision, noise and verdict.noise_table(off, noise))
     return Comparison(
-        layout=layout or "custom", precision=precision, feature_args=list(feature_args), tolerance=tol,
+        layout=layout or _described_layout(on_args), precision=precision, feature_args=list(feature_args), tolerance=tol,
         limits=limits, losses_off=off.losses, losses_on=on.losses, verdicts=verdict.judge(off, on, limits),
         memory_off=off.memory, memory_on=on.memory,
     )
+
+
+def _described_layout(args: argparse.Namespace) -> str:
+    """A layout given by parallel-size flags, in the driver's words (TP1+PP2+DP1), without the precision."""
+    from mm_adaptor.train import finalize_args
+    from mm_adaptor.train.logs import describe_layout
+
+    finalized = finalize_args(argparse.Namespace(**vars(args)), args.nproc_per_node)
+    return describe_layout(finalized).rsplit("+", 1)[0] + " (from the flags)"
 
 
 def rounding_noise_run(off_args: argparse.Namespace, *, echo: bool = False):

@@ -103,3 +103,11 @@ def test_derived_layout():
                                "--global-batch-size", "8"), 2)
     assert args.virtual_pipeline_model_parallel_size == 2
     assert args.data_parallel_size == 1 and args.num_microbatches == 4
+
+
+def test_a_layout_given_by_flags_is_named_by_its_sizes():
+    from mm_adaptor.harness.compare import _described_layout, checked_args
+
+    args = checked_args(["--num-experts", "4", "--expert-model-parallel-size", "2", "--nproc-per-node", "2"],
+                        check_devices=False)
+    assert _described_layout(args) == "TP1+PP1+DP2+EP2(4 experts) (from the flags)"
