@@ -137,8 +137,8 @@ def check_main(argv: list[str]) -> int:
                     "and judge per-step losses, every step's gradients and the parameters against the features' "
                     "tolerance. Any other flag is passed to mm-adaptor train for both runs.")
     parser.add_argument("--layout", default=None,
-                        help=f"one of {', '.join(harness.LAYOUTS)}, or 'all' (default: what the parallel-size flags give, "
-                             "else tp2-sp; single on a node with one GPU)")
+                        help=f"one of {', '.join(harness.LAYOUTS)}, or 'all' (default: the layout the parallel-size "
+                             "flags give, else tp2-sp; single on a node with one GPU)")
     parser.add_argument("--iters", type=int, default=4, help="training steps per run (default 4)")
     parser.add_argument("--nproc-per-node", type=int, default=None,
                         help="ranks per run (default: what the layout needs, 1 for single, else 2)")
