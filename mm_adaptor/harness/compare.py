@@ -169,7 +169,8 @@ def compare(feature_args: list[str], *, layout: str | None = None, extra_args: l
     limits = verdict.limits_for(tol, precision, noise and verdict.noise_table(off, noise))
     return Comparison(
         layout=layout or _described_layout(on_args), precision=precision, feature_args=list(feature_args),
-        tolerance=tol, limits=limits, losses_off=off.losses, losses_on=on.losses, verdicts=verdict.judge(off, on, limits),
+        tolerance=tol, limits=limits, losses_off=off.losses, losses_on=on.losses,
+        verdicts=verdict.judge(off, on, limits),
         memory_off=off.memory, memory_on=on.memory,
     )
 
