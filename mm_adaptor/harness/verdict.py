@@ -12,7 +12,9 @@ rounding; cached like the baseline). Each comparison point gets three scale-free
 A point passes when each statistic is at most K x its noise level: the largest noise of its kind at its step
 (a kind groups tensors across layers, experts and ranks: 'decoder.layers.*.mlp.linear_fc2.weight'), or, where one
 noise sample is too unsteady to trust, what rounding noise of that kind's rel_norm would give spread over the
-tensor's nonzero elements, or one rounding of the precision, whichever is largest.
+tensor's nonzero elements, or the floor: what one rounding of every element in the precision gives, whichever is
+largest. The scale floor shrinks like 1/sqrt(n) (scale_floor), so an error below one rounding per element but of
+one sign everywhere stands out of a large tensor as it stands out of rounding noise.
 K is K_FIRST_STEP at step 1, where only one forward and backward rounded differently, and K_LATER_STEPS after it,
 where Adam's sign-like updates and MoE routing flips turn rounding into discrete, heavy-tailed differences.
 Points:
@@ -49,9 +51,26 @@ UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
 
 
 def floors(precision: str) -> dict[str, float]:
-    """What one correctly rounded difference can produce where the perturbation happens to change nothing."""
+    """What one correctly rounded difference can produce where the perturbation happens to change nothing (the
+    scale's floor depends on the tensor: scale_floor)."""
     u = UNIT_ROUNDOFF[precision]
-    return {"loss": max(2.0**-22, u / 256), "rel_norm": u, "scale": u / 16, "rel_max": 2 * u}
+    return {"loss": max(2.0**-22, u / 256), "rel_norm": u, "rel_max": 2 * u}
+
+
+def energy_count(ref: torch.Tensor) -> float:
+    """(sum x^2)^2 / sum x^4: how many elements carry the tensor's energy (n if all are equal, fewer if a few
+    dominate; unused embedding rows count for nothing)."""
+    squares = ref.double().square()
+    fourth = float(squares.square().sum())
+    return float(squares.sum()) ** 2 / fourth if fourth else 1.0
+
+
+def scale_floor(precision: str, ref: torch.Tensor) -> float:
+    """The scale statistic of one rounding of every element. Rounding x_i to x_i(1 + e_i), e_i independent with
+    mean 0 and |e_i| <= u (standard deviation <= u/sqrt(3)), gives scale |sum x_i^2 e_i| / sum x_i^2, whose standard
+    deviation is at most u / sqrt(3 n_eff) with n_eff = energy_count(x): rounding's systematic part shrinks like
+    1/sqrt(n). ISOTROPIC_ALLOWANCE standard deviations, as for a measured sample (the largest of a few)."""
+    return ISOTROPIC_ALLOWANCE * UNIT_ROUNDOFF[precision] / math.sqrt(3 * energy_count(ref))
 
 
 def precision_of(args: dict) -> str:
@@ -170,19 +189,24 @@ class Limits:
         if point.group == "parameters":
             return PARAMETER_UPDATE_LIMIT * self.factor if stat == "rel_norm" else None
         measured = self.noise.get(point.kind, {})
-        level = max(measured.get(stat, 0.0), floors(self.precision)[stat])
+        level = max(measured.get(stat, 0.0), self._floor(point, stat))
         if point.group != "loss" and stat in ("scale", "rel_max"):
             level = max(level, _spread_noise(point, stat, measured.get("rel_norm", 0.0)))
         k = K_FIRST_STEP if point.step == 1 else K_LATER_STEPS
         return k * self.factor * level
+
+    def _floor(self, point: Point, stat: str) -> float:
+        if stat == "scale":
+            return scale_floor(self.precision, point.off if point.reference is None else point.reference)
+        return floors(self.precision)[stat]
 
     def describe(self) -> str:
         if self.exact:
             return "bit-for-bit"
         scale = f" x{self.factor:g}" if self.factor != 1 else ""
         return (f"each statistic <= {K_FIRST_STEP:g}{scale} (step 1) / {K_LATER_STEPS:g}{scale} (later steps) x this "
-                f"configuration's rounding noise of its kind (floor: one {self.precision} rounding); parameter "
-                f"updates differ by at most {PARAMETER_UPDATE_LIMIT:g}{scale} x their own size")
+                f"configuration's rounding noise of its kind (floor: one {self.precision} rounding of each element); "
+                f"parameter updates differ by at most {PARAMETER_UPDATE_LIMIT:g}{scale} x their own size")
 
 
 def _spread_noise(point: Point, stat: str, rel_norm_noise: float) -> float:

@@ -1,6 +1,6 @@
 """Deliberately, subtly wrong features that claim the fused kernels' (inexact) tolerance, registered only for the
 harness's self-test (loaded into the training ranks through MM_ADAPTOR_FEATURE_MODULES). The harness must reject
-both in fp32 and in bf16."""
+each in fp32 and in bf16."""
 
 from mm_adaptor.features import Feature, Flag, fused_kernel_tolerance, register
 from mm_adaptor.patching import PatchSet
@@ -14,6 +14,17 @@ def _first_layer_activation_off_by_0_2_percent(wrapped, instance, args, kwargs):
     wrapped(*args, **kwargs)
     mlp = instance.mlp
     if instance.layer_number == 1 and hasattr(mlp, "activation_func"):
+        right = mlp.activation_func
+        mlp.activation_func = lambda x: (right(x.float()) * 1.002).to(x.dtype)
+
+
+def _every_layer_mlp_output_off_by_0_2_percent(wrapped, instance, args, kwargs):
+    """Every layer's MLP output x 1.002: its activation scaled in fp32 and rounded once (fc2 is linear, so its
+    product is scaled too, summed in fp32 and rounded once). Less than half a bf16 ulp per element, same sign
+    everywhere."""
+    wrapped(*args, **kwargs)
+    mlp = instance.mlp
+    if hasattr(mlp, "activation_func"):
         right = mlp.activation_func
         mlp.activation_func = lambda x: (right(x.float()) * 1.002).to(x.dtype)
 
@@ -39,6 +50,17 @@ class MlpActivationOff(Feature):
 
     def patch_sets(self, options):
         return _layer_patch(self.name, _first_layer_activation_off_by_0_2_percent)
+
+
+@register
+class EveryMlpOutputOff(Feature):
+    name = "test-every-mlp-output-off"
+    description = "every layer's MLP output multiplied by 1.002, claiming the fused kernels' tolerance"
+    flags = (Flag("--use-test-every-mlp-output-off", description),)
+    tolerance = fused_kernel_tolerance("claims to be a rounding-level change")
+
+    def patch_sets(self, options):
+        return _layer_patch(self.name, _every_layer_mlp_output_off_by_0_2_percent)
 
 
 @register

@@ -49,6 +49,8 @@ def test_wrong_backward_is_caught_through_gradients(broken_features, capsys):
 SUBTLE_BUGS = {
     # layer 1's MLP activation x 1.002 (computed in fp32, rounded once): half a bf16 ulp, but systematic
     "--use-test-mlp-activation-off": "mlp",
+    # every layer's MLP output x 1.002 (its activation computed in fp32, rounded once): every layer, one sign
+    "--use-test-every-mlp-output-off": "mlp",
     # layer 1's linear_fc2 weight gradient x 0.98 (Adam hides it from the parameters)
     "--use-test-fc2-wgrad-off": "layers.0.mlp.linear_fc2.weight",
 }
@@ -57,13 +59,17 @@ SUBTLE_BUGS = {
 @pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bug", list(SUBTLE_BUGS))
 def test_subtle_inexact_bugs_fail(bug, precision):
-    """Features that claim the fused kernels' tolerance but are wrong by 0.2% or 2% in one place must fail."""
+    """Features that claim the fused kernels' tolerance but are wrong by 0.2% (in one layer or in every layer) or by
+    2% in one place must fail."""
     with harness.extra_feature_module("subtle_bug_features"):
         result = harness.compare([bug], layout="tp2-sp", extra_args=precision, iters=4)
     assert not result.tolerance.exact
     assert not result.passed, harness.format_comparison(result)
     located = result.activations.failures + result.grads.failures
     assert any(SUBTLE_BUGS[bug] in failure for failure in located), harness.format_comparison(result)
+    if bug == "--use-test-every-mlp-output-off":
+        for layer in ("L1.mlp", "L2.mlp"):
+            assert any(layer in failure for failure in result.activations.failures), harness.format_comparison(result)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -69,7 +69,8 @@ def test_limits_follow_the_noise_of_the_same_kind_with_a_one_rounding_floor():
     later = verdict.Point("gradients", 2, 0, "other", g, g)
     assert limits.of(later, "rel_norm") == verdict.K_LATER_STEPS * verdict.UNIT_ROUNDOFF["fp32"]
     spread = verdict.ISOTROPIC_ALLOWANCE * limits.of(point, "rel_norm") / k / 1000**0.5
-    assert limits.of(point, "scale") == pytest.approx(k * max(spread, verdict.floors("fp32")["scale"]), rel=1e-6), \
+    floor = verdict.scale_floor("fp32", g)
+    assert limits.of(point, "scale") == pytest.approx(k * max(spread, floor), rel=1e-6), \
         "a scale noise sample smaller than the noise's norm spread over 1000 elements is not trusted"
     fine = _dump(grads=[{"layers.0.w": g * (1 + 1e-4 * torch.randn(1000)), "layers.1.w": g}])
     assert not verdict.judge(off, fine, limits)["gradients"].failures
@@ -117,7 +118,50 @@ def test_floors_are_one_rounding_of_each_precision():
     for precision in ("fp32", "bf16", "fp16"):
         floors = verdict.floors(precision)
         assert floors["rel_norm"] == verdict.UNIT_ROUNDOFF[precision]
-        assert 0 < floors["scale"] < floors["rel_norm"] < floors["rel_max"]
+        assert 0 < floors["rel_norm"] < floors["rel_max"]
+        assert 0 < verdict.scale_floor(precision, torch.ones(16)) < floors["rel_norm"]
+
+
+def test_energy_count_counts_the_elements_that_carry_the_norm():
+    assert verdict.energy_count(torch.full((1000,), -3.0)) == pytest.approx(1000)
+    assert verdict.energy_count(torch.cat([torch.ones(10), torch.zeros(990)])) == pytest.approx(10)
+    assert verdict.energy_count(torch.zeros(5)) == 1.0
+
+
+def _bf16_rounding_of(x):
+    return x.bfloat16().float()
+
+
+def test_scale_floor_shrinks_like_one_over_sqrt_n_and_bounds_one_rounding():
+    torch.manual_seed(0)
+    small, large = torch.randn(64), torch.randn(64 * 100)
+    assert verdict.scale_floor("bf16", small) / verdict.scale_floor("bf16", large) == pytest.approx(10, rel=0.3)
+    scales = []
+    for _ in range(300):
+        x = torch.randn(4096)
+        scales.append(verdict.statistics(x, _bf16_rounding_of(x))["scale"])
+    one_sd_bound = verdict.scale_floor("bf16", x) / verdict.ISOTROPIC_ALLOWANCE  # u / sqrt(3 n_eff)
+    measured_sd = math.sqrt(sum(s * s for s in scales) / len(scales))
+    assert 0.5 * one_sd_bound < measured_sd <= one_sd_bound
+    point = verdict.Point("activations", 1, 0, "L1.mlp", x, x)
+    assert max(scales) < verdict.Limits("bf16", {}).of(point, "scale") / 2
+
+
+def _judged_scale(precision, off, on):
+    point = verdict.Point("activations", 1, 0, "L1.mlp", off, on)
+    limit = verdict.Limits(precision, {}).of(point, "scale")
+    return verdict.statistics(off, on)["scale"] / limit
+
+
+def test_one_signed_error_below_one_rounding_fails_a_large_tensor_and_passes_a_small_one():
+    """x 1.0008 computed in fp32 and rounded once to bf16 moves a fifth of a rounding per element, one way."""
+    torch.manual_seed(0)
+    for n, fails in ((8192, True), (64, False)):
+        x = torch.randn(n)
+        assert (_judged_scale("bf16", _bf16_rounding_of(x), _bf16_rounding_of(x * 1.0008)) > 1) == fails, n
+    x = torch.randn(8192)
+    other_rounding = _bf16_rounding_of(x * (1 + 2**-9 * torch.randn(8192)))
+    assert _judged_scale("bf16", _bf16_rounding_of(x), other_rounding) < 0.5
 
 
 def test_unknown_layout():
