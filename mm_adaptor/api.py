@@ -93,6 +93,13 @@ def feature_statistics() -> dict[str, dict]:
     return {name: value for name, value in stats.items() if value is not None}
 
 
+def patch_calls() -> dict[str, dict[str, int | None]]:
+    """Per active feature, how often each of its installed functions ran (None: a replaced class or value)."""
+    with _lock:
+        return {record.feature.name: {patch.target: patch.calls for ps in record.patch_sets for patch in ps
+                                      if hasattr(patch, "calls")} for record in _applied}
+
+
 def applied() -> dict[str, list[str]]:
     """Everything patched now: applied_features(), then the installed device backend's device and
     compatibility patches under 'backend:<name>'."""

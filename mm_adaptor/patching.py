@@ -201,6 +201,7 @@ class Patch:
         self._was_own = False
         self._installed = None
         self._copies: list[tuple[Any, str]] = []
+        self.calls = 0  # calls of the installed wrapper since apply (None for a replacement: not counted)
 
     @property
     def target(self) -> str:
@@ -227,16 +228,23 @@ class Patch:
         state = "applied" if self.applied else "not applied"
         return f"<Patch {self.feature or '-'}: {self.mode} {self.target} ({state})>"
 
+    def _counted(self, wrapped, instance, args, kwargs):
+        self.calls += 1
+        return self.new(wrapped, instance, args, kwargs)
+
     def _build(self, original):
+        """The installed object: a wrapper counts its calls; a replacement is installed as it is (code may test
+        its identity), uncounted."""
         if self.mode == "replace":
+            self.calls = None
             return self.new
         if isinstance(original, (staticmethod, classmethod)):
-            return type(original)(wrapt.FunctionWrapper(original.__func__, self.new))
+            return type(original)(wrapt.FunctionWrapper(original.__func__, self._counted))
         if not callable(original):
             raise PatchError(
                 f"cannot wrap {self.target}: {type(original).__name__} is not callable; use mode='replace'"
             )
-        return wrapt.FunctionWrapper(original, self.new)
+        return wrapt.FunctionWrapper(original, self._counted)
 
     @staticmethod
     def _raw_attribute(owner, name):
@@ -263,6 +271,7 @@ class Patch:
             own = False
         elif self.contract is not None:
             self.contract.check(original, feature=self.feature, target=self.target)
+        self.calls = 0
         installed = self._build(original)
         setattr(owner, name, installed)
         self._owner, self._name, self._was_own = owner, name, own

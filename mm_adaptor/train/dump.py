@@ -138,11 +138,11 @@ class Recorder:
         import torch
         import torch.distributed as dist
 
-        from mm_adaptor.api import applied_features, feature_statistics
+        from mm_adaptor.api import applied_features, feature_statistics, patch_calls
         from mm_adaptor.memory import model_state_bytes
 
         memory = dict(state.memory, **model_state_bytes(state.model, state.optimizer),
-                      feature_statistics=feature_statistics())
+                      feature_statistics=feature_statistics(), patch_calls=patch_calls())
         rank = dist.get_rank()
         record = RankDump(rank=rank, losses=[r.loss for r in state.records],
                           grad_norms=[r.grad_norm for r in state.records], grads=self.grads,

@@ -137,6 +137,28 @@ def test_wrap_of_a_method_sees_the_instance(fake):
         patch.revert()
 
 
+def test_a_wrapper_counts_its_calls_and_a_replacement_is_not_counted(fake):
+    """The count is what tests read to show a feature's code ran rather than megatron's alone."""
+    name, a, _ = fake
+    wrap = Patch(f"{name}.a.Base.static", lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs),
+                 mode="wrap")
+    replace = Patch(f"{name}.a.f", lambda x: x, mode="replace")
+    wrap.apply()
+    replace.apply()
+    try:
+        assert wrap.calls == 0
+        a.Base.static(1), a.Base().static(2), a.f(3)
+        assert wrap.calls == 2 and replace.calls is None
+    finally:
+        replace.revert()
+        wrap.revert()
+    wrap.apply()
+    try:
+        assert wrap.calls == 0, "a new application counts from zero"
+    finally:
+        wrap.revert()
+
+
 def test_unknown_mode_raises_value_error():
     for mode in ("", "wrapper", "Replace", None):
         with pytest.raises(ValueError, match="replace"):
