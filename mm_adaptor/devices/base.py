@@ -25,7 +25,13 @@ class DeviceBackend:
 
     name = "base"
     dist_backend = "nccl"
-    verified_on_hardware = True
+
+    @property
+    def verified_on_hardware(self) -> bool:
+        """Whether the adaptor has been run and checked on this device (mm_adaptor.verification says where)."""
+        from mm_adaptor import verification
+
+        return verification.backend_verified(self.name)
 
     def __init__(self) -> None:
         self.reason = ""

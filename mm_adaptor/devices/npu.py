@@ -31,7 +31,6 @@ def _to_hccl(wrapped, instance, args, kwargs):
 class NpuBackend(DeviceBackend):
     name = "npu"
     dist_backend = "hccl"
-    verified_on_hardware = False
 
     def torch_device(self) -> torch.device:
         return torch.device("npu", torch.npu.current_device())

@@ -1,0 +1,23 @@
+"""What report says has run where: every feature has a record per device, and nothing claims a device on which no
+run was recorded (no GPU or NPU run is recorded yet)."""
+
+from mm_adaptor import devices, features, verification
+
+
+def test_every_feature_has_a_record_for_every_device():
+    for feature in features.all_features():
+        assert feature.name in verification.FEATURES, f"{feature.name}: add it to mm_adaptor/verification.py"
+        assert set(verification.FEATURES[feature.name]) == set(verification.DEVICES), feature.name
+
+
+def test_no_feature_and_no_backend_claims_a_device_without_a_recorded_run():
+    for records in verification.FEATURES.values():
+        assert records["cuda"].state == "not run" and records["npu"].state == "not run"
+    assert not devices.make("cuda").verified_on_hardware
+    assert not devices.make("npu").verified_on_hardware
+    assert devices.make("cpu").verified_on_hardware
+
+
+def test_the_summary_names_each_device():
+    assert verification.summary("swap-attention") == "cpu verified, cuda not run, npu not run"
+    assert verification.summary("some-plugin") == "cpu not run, cuda not run, npu not run"
