@@ -38,7 +38,7 @@ def report_lines():
     lines = []
     import torch
 
-    from mm_adaptor import devices, features
+    from mm_adaptor import devices, features, verification
     from mm_adaptor.ops import status as ops_status
 
     name, why = devices.choose()
@@ -47,8 +47,8 @@ def report_lines():
     lines.append(f"  chosen               {name} ({why})")
     lines.append(f"  process groups       {backend.dist_backend}")
     lines.append(f"  torch.cuda available {torch.cuda.is_available()}")
-    if not backend.verified_on_hardware:
-        lines.append("  note                 this backend's code path has not been verified on hardware")
+    verified = verification.BACKENDS.get(name, verification.UNRECORDED)
+    lines.append(f"  verified here        {verified.state}: {verified.evidence}")
     if name == "cpu" and not os.environ.get(devices.DEVICE_ENV, "").strip():
         lines.append("  on purpose           no: chosen because no accelerator was found, so an NCCL process group "
                      "(Megatron-LM's default --distributed-backend) is refused; --distributed-backend gloo or "
@@ -75,6 +75,9 @@ def report_lines():
         lines.append(f"    flags      {' '.join(flag.option for flag in feature.flags)}")
         lines.append(f"    tolerance  {feature.tolerance.describe()}")
         lines.append(f"    runs here  {'yes' if ok else 'no: ' + why_not}")
+        for device in verification.DEVICES:
+            record = verification.record(feature.name, device)
+            lines.extend(_wrapped(device, f"{record.state}: {record.evidence}"))
     yield from lines
 
 

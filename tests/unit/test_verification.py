@@ -1,6 +1,8 @@
 """What report says has run where: every feature has a record per device, and nothing claims a device on which no
 run was recorded (no GPU or NPU run is recorded yet)."""
 
+import re
+
 from mm_adaptor import devices, features, verification
 
 
@@ -21,3 +23,15 @@ def test_no_feature_and_no_backend_claims_a_device_without_a_recorded_run():
 def test_the_summary_names_each_device():
     assert verification.summary("swap-attention") == "cpu verified, cuda not run, npu not run"
     assert verification.summary("some-plugin") == "cpu not run, cuda not run, npu not run"
+
+
+def test_report_shows_each_feature_on_each_device(monkeypatch):
+    from mm_adaptor.cli import report_lines
+
+    monkeypatch.setenv(devices.DEVICE_ENV, "cpu")
+    text = "\n".join(report_lines())
+    assert "verified here        verified" in text
+    for feature in features.all_features():
+        section = re.split(r"\n  (?=\S)", text.split(f"\n  {feature.name}: ", 1)[1], maxsplit=1)[0]
+        for device in verification.DEVICES:
+            assert f"    {device:<10} {verification.record(feature.name, device).state}:" in section, feature.name
