@@ -36,6 +36,7 @@ class VppExtraWarmup(Feature):
         return {"peak micro-batches in flight": IN_FLIGHT.peak, "schedules extended": IN_FLIGHT.schedules,
                 "mean forward ms per chunk": IN_FLIGHT.mean_ms("forward"),
                 "mean backward ms per chunk": IN_FLIGHT.mean_ms("backward"),
+                "chunk times measured with": IN_FLIGHT.clock,
                 "first step's passes": [list(p) for p in IN_FLIGHT.first_step]}
 
     def patch_sets(self, options):

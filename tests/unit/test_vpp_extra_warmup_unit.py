@@ -79,3 +79,70 @@ def test_every_microbatch_in_warmup_is_refused_under_megatron_lm_arguments():
     assert not hasattr(args, "num_microbatches")
     assert_refused_in_one_line("vpp-extra-warmup", args, ["2 micro-batches x 2 model chunks", "--global-batch-size"])
     get("vpp-extra-warmup").validate(megatron_lm_args(global_batch_size=32))  # 8 micro-batches: accepted
+
+
+class DeviceClock:
+    """A GPU-like backend: work advances a device clock the host never sees; events stamp it when recorded."""
+
+    name = "fake-gpu"
+
+    def __init__(self):
+        self.now_ms, self.waits = 0.0, 0
+        clock = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing, "a timing event"
+                self.at = None
+
+            def record(self, stream=None):
+                self.at = clock.now_ms
+
+            def synchronize(self):
+                clock.waits += 1
+
+            def elapsed_time(self, end):
+                return end.at - self.at
+
+        self.Event = Event
+
+    def stream_module(self):
+        return self
+
+
+def test_pass_times_come_from_device_events_read_back_once_per_schedule(monkeypatch):
+    from mm_adaptor.feature_flags.vpp_extra_warmup import VppExtraWarmup
+    from mm_adaptor.patches.pipeline import vpp_extra_warmup as vw
+
+    device = DeviceClock()
+    in_flight = vw.InFlight()
+    in_flight.backend = device
+    monkeypatch.setattr(vw, "IN_FLIGHT", in_flight)
+
+    def launch(ms):  # returns at once on the host; the device is busy for `ms`
+        def kernel(*args, **kwargs):
+            device.now_ms += ms
+        return kernel
+
+    for _ in range(3):
+        vw.counting_forward(launch(7.0), None, (), {})
+        vw.counting_backward(launch(11.0), None, (), {})
+    assert device.waits == 0, "no pass waits for the device"
+    vw.warmup_with_extra(1)(megatron(8, 4), None, (4, 2, 2), {})  # the next schedule reads the last one back
+    assert device.waits == 6 and not in_flight.pending
+    assert in_flight.mean_ms("forward") == 7.0 and in_flight.mean_ms("backward") == 11.0
+    assert in_flight.clock == "fake-gpu timing events on the compute stream"
+    stats = VppExtraWarmup().statistics()
+    assert stats["mean forward ms per chunk"] == 7.0 and stats["chunk times measured with"] == in_flight.clock
+
+
+def test_cpu_backend_pass_times_are_labelled_host_clock(monkeypatch):
+    from mm_adaptor.devices.cpu import CpuBackend
+    from mm_adaptor.patches.pipeline import vpp_extra_warmup as vw
+
+    in_flight = vw.InFlight()
+    in_flight.backend = CpuBackend()
+    monkeypatch.setattr(vw, "IN_FLIGHT", in_flight)
+    vw.counting_forward(lambda: sum(range(10000)), None, (), {})
+    assert in_flight.mean_ms("forward") > 0 and in_flight.calls["forward"] == 1
+    assert in_flight.clock.startswith("host clock")
