@@ -180,7 +180,7 @@ class Reader:
 
         storage = self.meta.state_dict_metadata[key]
         shape = tuple(storage.size) if layer is None else tuple(storage.size)[1:]
-        out = torch.empty(shape, dtype=storage.properties.dtype)
+        out = None
         for chunk in storage.chunks:
             offsets, sizes = list(chunk.offsets), list(chunk.sizes)
             if layer is not None and not offsets[0] <= layer < offsets[0] + sizes[0]:
@@ -193,10 +193,16 @@ class Reader:
                 data = torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
             if layer is not None:
                 data, offsets = data[layer - offsets[0]], offsets[1:]
+            if tuple(data.shape) == shape and data.dtype == storage.properties.dtype:
+                return data.contiguous()  # one chunk holds it all (as this converter writes): no second copy
+            if out is None:
+                out = torch.empty(shape, dtype=storage.properties.dtype)
             target = out
             for dim, (start, size) in enumerate(zip(offsets, data.shape)):
                 target = target.narrow(dim, start, size)
             target.copy_(data)
+        if out is None:
+            raise ValueError(f"{key}: no chunk holds layer {layer}")
         return out
 
 

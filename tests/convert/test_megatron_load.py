@@ -46,3 +46,13 @@ def test_checkpoint_loads_into_megatron_modules(tiny_hf, tmp_path, single_rank_m
     assert len(got) == len([n for n in expected if n.startswith(("language_model.", "vision_model.decoder."))])
     for name, tensor in got.items():
         assert torch.equal(tensor, expected[name].to(tensor.dtype)), name
+    # and the reader joins the chunks of a checkpoint megatron itself saved (fc1 as swiglu halves, one per layer)
+    from mm_adaptor.convert.mcore_io import Reader
+
+    (tmp_path / "own").mkdir()
+    dist_checkpointing.save(gpt.sharded_state_dict(prefix="language_model.", metadata=metadata), str(tmp_path / "own"))
+    reader = Reader(tmp_path / "own")
+    key = "language_model.decoder.layers.mlp.linear_fc1.weight"
+    assert len(reader.meta.state_dict_metadata[key].chunks) == 8
+    for layer in range(4):
+        assert torch.equal(reader.read(key, layer), expected[f"language_model.decoder.layers.{layer}.mlp.linear_fc1.weight"])
