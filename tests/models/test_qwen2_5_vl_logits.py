@@ -123,6 +123,22 @@ def test_bf16_logits_near_transformers(reference, megatron_rank, name):
     assert error < BF16_TOLERANCE and error < 1.5 * hf_error, (error, hf_error)
 
 
+def test_converter_tensors_load_and_give_transformers_logits(reference, megatron_rank):
+    """The converter's pure API (whole tensors, Megatron names) fits this model at TP1 and gives the same logits."""
+    from mm_adaptor.convert import family_for, hf_to_mcore_tensors
+    from mm_adaptor.models.qwen2_5_vl import tiny_hf_config_dict
+
+    tensors = hf_to_mcore_tensors(family_for(tiny_hf_config_dict(CONFIG)), reference[0].state_dict())
+    model = model_provider(CONFIG).eval()
+    own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    assert set(tensors) == own
+    model.load_state_dict(tensors, strict=False)
+    ids, pixels, grid, positions, expected = reference[1]["two_images"]
+    with torch.no_grad():
+        logits = model(ids, positions, pixel_values=pixels, image_grid_thw=grid)
+    assert relative_error(logits, expected) < FP32_TOLERANCE
+
+
 GRADIENT_PAIRS = {  # ours: transformers' (in-memory names)
     "vision_model.patch_embed.proj.weight": "model.visual.patch_embed.proj.weight",
     "vision_model.decoder.layers.0.self_attention.linear_proj.weight": "model.visual.blocks.0.attn.proj.weight",

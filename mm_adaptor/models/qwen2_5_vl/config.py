@@ -84,7 +84,8 @@ def config_from_hf(hf_config: dict, **overrides) -> Qwen25VLConfig:
         rope_theta=text.get("rope_theta", 1000000.0),
         mrope_section=tuple(rope_scaling["mrope_section"]),
         max_position_embeddings=text.get("max_position_embeddings", 128000),
-        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        # as transformers decides: text_config's flag where there is one, else the top-level one
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
         image_token_id=hf_config.get("image_token_id", 151655),
         video_token_id=hf_config.get("video_token_id", 151656),
         vision_start_token_id=hf_config.get("vision_start_token_id", 151652),
