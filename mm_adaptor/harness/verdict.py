@@ -13,8 +13,11 @@ A point passes when each statistic is at most K x its noise level: the largest n
 (a kind groups tensors across layers, experts and ranks: 'decoder.layers.*.mlp.linear_fc2.weight'), or, where one
 noise sample is too unsteady to trust, what rounding noise of that kind's rel_norm would give spread over the
 tensor's nonzero elements, or the floor: what one rounding of every element in the precision gives, whichever is
-largest. The scale floor shrinks like 1/sqrt(n) (scale_floor), so an error below one rounding per element but of
-one sign everywhere stands out of a large tensor as it stands out of rounding noise.
+largest. A module output's scale floor shrinks like 1/sqrt(n) (scale_floor), so an error below one rounding per
+element but of one sign everywhere stands out of a large output as it stands out of rounding noise. Gradients keep
+a fixed scale floor (u/16): a weight gradient sums the step's tokens, so its rounding noise is shared along their
+directions and does not average out over its elements (the second perturbation's step-1 qkv weight gradient in
+PP2 bf16 llama: scale 7.8e-4, 3.9 x rel_norm/sqrt(n_eff)).
 K is K_FIRST_STEP at step 1, where only one forward and backward rounded differently, and K_LATER_STEPS after it,
 where Adam's sign-like updates and MoE routing flips turn rounding into discrete, heavy-tailed differences.
 Points:
@@ -51,10 +54,10 @@ UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
 
 
 def floors(precision: str) -> dict[str, float]:
-    """What one correctly rounded difference can produce where the perturbation happens to change nothing (the
-    scale's floor depends on the tensor: scale_floor)."""
+    """What one correctly rounded difference can produce where the perturbation happens to change nothing (a module
+    output's scale floor depends on its size: scale_floor)."""
     u = UNIT_ROUNDOFF[precision]
-    return {"loss": max(2.0**-22, u / 256), "rel_norm": u, "rel_max": 2 * u}
+    return {"loss": max(2.0**-22, u / 256), "rel_norm": u, "scale": u / 16, "rel_max": 2 * u}
 
 
 def energy_count(ref: torch.Tensor) -> float:
@@ -196,7 +199,7 @@ class Limits:
         return k * self.factor * level
 
     def _floor(self, point: Point, stat: str) -> float:
-        if stat == "scale":
+        if stat == "scale" and point.group == "activations":
             return scale_floor(self.precision, point.off if point.reference is None else point.reference)
         return floors(self.precision)[stat]
 

@@ -69,7 +69,7 @@ def test_limits_follow_the_noise_of_the_same_kind_with_a_one_rounding_floor():
     later = verdict.Point("gradients", 2, 0, "other", g, g)
     assert limits.of(later, "rel_norm") == verdict.K_LATER_STEPS * verdict.UNIT_ROUNDOFF["fp32"]
     spread = verdict.ISOTROPIC_ALLOWANCE * limits.of(point, "rel_norm") / k / 1000**0.5
-    floor = verdict.scale_floor("fp32", g)
+    floor = verdict.floors("fp32")["scale"]  # gradients: fixed (their noise is shared along the tokens)
     assert limits.of(point, "scale") == pytest.approx(k * max(spread, floor), rel=1e-6), \
         "a scale noise sample smaller than the noise's norm spread over 1000 elements is not trusted"
     fine = _dump(grads=[{"layers.0.w": g * (1 + 1e-4 * torch.randn(1000)), "layers.1.w": g}])
@@ -118,7 +118,7 @@ def test_floors_are_one_rounding_of_each_precision():
     for precision in ("fp32", "bf16", "fp16"):
         floors = verdict.floors(precision)
         assert floors["rel_norm"] == verdict.UNIT_ROUNDOFF[precision]
-        assert 0 < floors["rel_norm"] < floors["rel_max"]
+        assert 0 < floors["scale"] < floors["rel_norm"] < floors["rel_max"]
         assert 0 < verdict.scale_floor(precision, torch.ones(16)) < floors["rel_norm"]
 
 
