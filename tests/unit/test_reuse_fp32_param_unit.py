@@ -205,3 +205,48 @@ def test_host_syncs_per_step_follow_batches_not_parameters(budget_bytes, monkeyp
     (few_syncs, few_batches), (many_syncs, many_batches) = syncs_per_step(4), syncs_per_step(40)
     assert few_syncs == few_batches and many_syncs == many_batches, "one read back per batch"
     assert many_syncs == few_syncs, "ten times the parameters, as many read backs"
+
+
+def test_a_save_joins_at_most_a_batch_on_the_device_at_once(monkeypatch):
+    """A checkpoint save reads the main parameters from host copies joined a batch at a time: the device never
+    holds more joined fp32 words than the batch size (a larger parameter alone). The host here is "cpu:0", to which
+    .to() copies, so host copies and device tensors are told apart on a CPU-only machine."""
+    import weakref
+
+    from mm_adaptor.patches.optimizer import reuse_fp32_param as reuse
+
+    models, mains = models_and_mains(0)  # 8192, 1200, 1024 and 4000 bytes of fp32
+    words = [m.detach().clone().view(torch.int32) for m in mains]
+    budget = 6000
+    reused = ReusedMainParams(zip(mains, models), budget_bytes=budget, host_device=torch.device("cpu", 0))
+    assert reused.batches() == [[0], [1, 2], [3]]
+    joined, host_copies, peak, joins = {}, set(), [0], [0]  # joined: device address -> (weakref, bytes)
+    join, to = reuse.join_fp32_words, torch.Tensor.to
+
+    def device_bytes_joined():  # written tensors still alive, or main parameters holding their storage
+        held = {m.untyped_storage().data_ptr() for m in mains if m.untyped_storage().nbytes()} - host_copies
+        return sum(n for ptr, (ref, n) in joined.items() if ref() is not None or ptr in held)
+
+    def tracked_join(out, *args):  # `out`: joined words on the device
+        joined[out.data_ptr()] = (weakref.ref(out), out.numel() * 4)
+        joins[0] += 1
+        peak[0] = max(peak[0], device_bytes_joined())
+        return join(out, *args)
+
+    def tracked_to(self, *args, **kwargs):  # a copy to the host
+        copy = to(self, *args, **kwargs)
+        if copy is not self:
+            host_copies.add(copy.data_ptr())
+        return copy
+
+    monkeypatch.setattr(reuse, "join_fp32_words", tracked_join)
+    monkeypatch.setattr(torch.Tensor, "to", tracked_to)
+    reused.readable()
+    monkeypatch.undo()
+    assert joins[0] == 4, "every main parameter was joined for the save"
+    largest = max(m.numel() * 4 for m in mains)
+    assert peak[0] <= max(budget, largest) and peak[0] < sum(m.numel() * 4 for m in mains), peak[0]
+    assert reused.statistics()["most_main_param_bytes_whole_for_a_save"] == largest  # [0] alone; [1, 2] 2224 bytes
+    assert all(torch.equal(m.detach().view(torch.int32), w) for m, w in zip(mains, words)), "exact host copies"
+    reused.split_all()
+    assert all(m.untyped_storage().nbytes() == 0 for m in mains), "host copies dropped at the next zero_grad"
