@@ -55,13 +55,13 @@ def plan(hf_dir: Path, tp: int, llm, vit):
     """Every check before anything is written: config, layout, names. Returns (family, layout, shard files)."""
     from safetensors import safe_open
 
-    from mm_adaptor.models.qwen2_5_vl.mapping import dims
+    from mm_adaptor.convert.families import dims_for
 
     try:
         family = family_for(read_config(hf_dir / "config.json"))
     except (KeyError, ValueError) as error:
         raise ConvertError(f"{hf_dir / 'config.json'}: {error}") from None
-    layout = validate(dims(family.config), tp, llm, vit)
+    layout = validate(dims_for(family.config), tp, llm, vit)
     files = hf_files(hf_dir)
     names = []
     for path in files:
@@ -75,13 +75,21 @@ def plan(hf_dir: Path, tp: int, llm, vit):
 
 def convert(hf_dir, out, tp: int = 1, llm=None, vit=None) -> dict:
     """Refuses before writing (ConvertError); returns figures (seconds, tensors, bytes)."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    require_empty(out)
+    family, layout, files = plan(hf_dir, tp, llm, vit)
+    try:
+        return _write(family, layout, files, hf_dir, out)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)  # it was empty or absent: leave no half-written checkpoint
+        raise
+
+
+def _write(family, layout, files, hf_dir: Path, out: Path) -> dict:
     from safetensors import safe_open
 
     from mm_adaptor.convert.rules import to_mcore
 
-    hf_dir, out = Path(hf_dir), Path(out)
-    require_empty(out)
-    family, layout, files = plan(hf_dir, tp, llm, vit)
     index = family.hf_index()
     start, done, total_bytes = time.time(), 0, 0
     out.mkdir(parents=True, exist_ok=True)

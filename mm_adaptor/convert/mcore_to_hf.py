@@ -4,6 +4,7 @@ reading one output shard's tensors at a time."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -68,13 +69,22 @@ def _hf_order(name: str):
 
 
 def convert(mcore_dir, hf_dir, hf_config=None, max_shard_bytes: int = 5 * 10**9) -> dict:
+    """Refuses before writing (ConvertError); returns figures (seconds, tensors, bytes, shards)."""
+    mcore_dir, hf_dir = Path(mcore_dir), Path(hf_dir)
+    require_empty(hf_dir)
+    family, reader, units = plan(mcore_dir, Path(hf_config) if hf_config else None)
+    try:
+        return _write(family, reader, units, mcore_dir, hf_dir, hf_config, max_shard_bytes)
+    except BaseException:
+        shutil.rmtree(hf_dir, ignore_errors=True)  # it was empty or absent: leave no half-written directory
+        raise
+
+
+def _write(family, reader, units, mcore_dir: Path, hf_dir: Path, hf_config, max_shard_bytes: int) -> dict:
     from safetensors.torch import save_file
 
     from mm_adaptor.convert.rules import to_hf
 
-    mcore_dir, hf_dir = Path(mcore_dir), Path(hf_dir)
-    require_empty(hf_dir)
-    family, reader, units = plan(mcore_dir, Path(hf_config) if hf_config else None)
     shards, size = [[]], 0
     for unit in units:
         if shards[-1] and size + unit[2] > max_shard_bytes:
@@ -98,9 +108,8 @@ def convert(mcore_dir, hf_dir, hf_config=None, max_shard_bytes: int = 5 * 10**9)
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (hf_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    side = (mcore_dir / "hf") if not hf_config else Path(hf_config).parent
-    if side.is_dir():
-        copy_side_files(side, hf_dir)
+    if (mcore_dir / "hf").is_dir():  # the tokenizer/processor files hf-to-mcore kept
+        copy_side_files(mcore_dir / "hf", hf_dir)
     if hf_config:
         (hf_dir / "config.json").write_text(Path(hf_config).read_text())
     return {"seconds": time.time() - start, "tensors": len(weight_map), "bytes": total, "shards": len(shards)}
