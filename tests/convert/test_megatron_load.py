@@ -3,6 +3,8 @@ same sizes (GPTModel for the language model, a TransformerBlock for the vision l
 key and shape the modules' sharded_state_dict asks for is there (layer stacks, the swiglu fc1, the norms under
 their TE names, the linear layers' _extra_state), and the loaded weights are the rules' tensors."""
 
+import json
+
 import torch
 
 
@@ -56,3 +58,30 @@ def test_checkpoint_loads_into_megatron_modules(tiny_hf, tmp_path, single_rank_m
     assert len(reader.meta.state_dict_metadata[key].chunks) == 8
     for layer in range(4):
         assert torch.equal(reader.read(key, layer), expected[f"language_model.decoder.layers.{layer}.mlp.linear_fc1.weight"])
+
+
+def test_checkpoint_loads_into_the_qwen2_5_vl_model(tiny_hf, tmp_path, single_rank_megatron):
+    """The whole model (mm_adaptor.models.qwen2_5_vl, TP1) loads the converted checkpoint through megatron's
+    dist_checkpointing with no key left over either way, and holds the rules' tensors."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from mm_adaptor.convert import family_for, hf_to_mcore_tensors
+    from mm_adaptor.convert.hf_to_mcore import convert
+    from mm_adaptor.models.qwen2_5_vl.config import config_from_hf
+    from mm_adaptor.models.qwen2_5_vl.model import model_provider
+
+    hf, saved = tiny_hf
+    convert(hf, tmp_path / "mc")
+    hf_config = json.loads((hf / "config.json").read_text())
+    model_parallel_cuda_manual_seed(5)
+    model = model_provider(config_from_hf(hf_config))
+    request = model.sharded_state_dict(prefix="", metadata={"singleton_local_shards": False})
+    loaded = dist_checkpointing.load({"model": request}, str(tmp_path / "mc" / "iter_0000000"))["model"]
+    result = model.load_state_dict(loaded, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    expected = hf_to_mcore_tensors(family_for(hf_config), saved)
+    state = {name: t for name, t in model.state_dict().items() if not name.endswith("_extra_state")}
+    assert sorted(state) == sorted(expected)
+    for name, tensor in state.items():
+        assert torch.equal(tensor, expected[name].to(tensor.dtype)), name

@@ -9,7 +9,8 @@ def tiny_config(tie: bool = False, **text):
     from transformers import Qwen2_5_VLConfig
 
     text = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "intermediate_size": 96, "vocab_size": 160, "tie_word_embeddings": tie, **text}
+            "intermediate_size": 96, "vocab_size": 160, "tie_word_embeddings": tie,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}, **text}
     vision = {"depth": 2, "hidden_size": 32, "num_heads": 4, "intermediate_size": 48, "out_hidden_size": 64,
               "fullatt_block_indexes": [1], "window_size": 56}
     return Qwen2_5_VLConfig(vision_config=vision, text_config=text)
