@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
+from megatron.core.enums import ModelType
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
 
@@ -16,8 +17,8 @@ from mm_adaptor.models.qwen2_5_vl.vision import PatchMerger, VisionModel, refuse
 
 
 class Qwen25VLModel(MegatronModule):
-    """forward(input_ids [b, s], position_ids [3, b, s], ...) -> logits [b, s, vocab / TP] (or, with labels,
-    the per-token loss [b, s]) on the last stage, hidden states [s(/TP with SP), b, h] on the others. position_ids
+    """forward(input_ids [b, s], position_ids [3, b, s], ...) -> logits [b, s, vocab / TP] (whole vocab with
+    runtime_gather_output=True; with labels, the per-token loss [b, s]) on the last stage, hidden states [s(/TP with SP), b, h] on the others. position_ids
     (from positions.rope_index) are needed on every stage; images only on the first."""
 
     def __init__(self, config: Qwen25VLConfig, pre_process: bool = True, post_process: bool = True,
@@ -28,6 +29,7 @@ class Qwen25VLModel(MegatronModule):
         self.model_config = config
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = config.tie_word_embeddings
+        self.model_type = ModelType.encoder_or_decoder  # megatron's schedules read it
         if pre_process:
             self.vision_model = VisionModel(config, vision_transformer_config(config))
             self.vision_projection = PatchMerger(config, projection_config(config))
@@ -53,13 +55,13 @@ class Qwen25VLModel(MegatronModule):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None, labels=None,
                 pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
-                loss_mask=None):
+                loss_mask=None, runtime_gather_output: bool | None = None):
         decoder_input = None
         if self.pre_process:
             decoder_input = self._embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
         return self.language_model(input_ids=None if self.pre_process else input_ids, position_ids=position_ids,
                                    attention_mask=attention_mask, decoder_input=decoder_input, labels=labels,
-                                   loss_mask=loss_mask)
+                                   loss_mask=loss_mask, runtime_gather_output=runtime_gather_output)
 
     def _embed(self, input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw):
         """Word embeddings [s, b, h] with the vision embeddings at the pad tokens, scattered for SP."""
