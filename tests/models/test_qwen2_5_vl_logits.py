@@ -80,6 +80,27 @@ def test_fp32_logits_equal_transformers(reference, ours_fp32, name):
     assert relative_error(logits, expected) < FP32_TOLERANCE
 
 
+def test_video_and_image_logits_equal_transformers(reference, ours_fp32):
+    """A video (2 temporal patches, 2 s per grid) after an image: video pads get the tower's frames and the
+    positions advance in time; pixels are random patches (the video processor needs torchvision)."""
+    _, image_pixels, image_grid, _, _ = reference[1]["one_image"]
+    video_grid = torch.tensor([[2, 8, 12]])
+    video_pixels = torch.randn(int(video_grid.prod()), CONFIG.patch_dim, generator=torch.Generator().manual_seed(3))
+    seconds = torch.tensor([2.0])
+    ids = prompt(CONFIG, image_grid)
+    video = [CONFIG.vision_start_token_id] + [CONFIG.video_token_id] * (int(video_grid.prod()) // 4) + [
+        CONFIG.vision_start_token_id + 1, 7, 8]
+    ids = torch.cat([ids, torch.tensor([video])], dim=1)
+    positions, _ = rope_index_for(CONFIG, ids, image_grid, video_grid, seconds)
+    with torch.no_grad():
+        expected = reference[0](input_ids=ids, pixel_values=image_pixels, image_grid_thw=image_grid,
+                                pixel_values_videos=video_pixels, video_grid_thw=video_grid,
+                                second_per_grid_ts=seconds).logits
+        logits = ours_fp32(ids, positions, pixel_values=image_pixels, image_grid_thw=image_grid,
+                           pixel_values_videos=video_pixels, video_grid_thw=video_grid)
+    assert relative_error(logits, expected) < FP32_TOLERANCE
+
+
 def test_vision_embeddings_equal_transformers(reference, ours_fp32):
     ids, pixels, grid, _, _ = reference[1]["two_images"]
     with torch.no_grad():

@@ -92,7 +92,7 @@ def model_provider(config: Qwen25VLConfig, pre_process: bool = True, post_proces
                    vp_stage: int | None = None, parallel_output: bool = True) -> Qwen25VLModel:
     """This rank's Qwen2.5-VL stage (megatron's parallel state must be initialised). For a Megatron-LM script:
     functools.partial(model_provider, config) is a (pre_process, post_process, vp_stage) provider."""
-    if config.pipeline_model_parallel_size > 1 and vp_stage is not None:
+    if vp_stage is not None:
         raise ValueError("Qwen2.5-VL: virtual pipeline stages are not supported yet")
     return Qwen25VLModel(config, pre_process=pre_process, post_process=post_process,
                          parallel_output=parallel_output, vp_stage=vp_stage)
