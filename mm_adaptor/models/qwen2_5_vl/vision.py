@@ -140,7 +140,7 @@ class VisionModel(MegatronModule):
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
         freqs = torch.cat([torch.outer(rows.to(inv_freq), inv_freq), torch.outer(cols.to(inv_freq), inv_freq)], -1)
         freqs = freqs.view(patches // unit, unit, -1)[order.to(freqs.device)].view(patches, -1)
-        rotary = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+        rotary = torch.cat([freqs, freqs], dim=-1)[:, None, None, :].to(hidden.device)
 
         masks = torch.stack([_block_diagonal_mask(seg.repeat_interleave(unit).to(hidden.device))
                              for seg in (frames, windows)])
