@@ -217,9 +217,9 @@ def _end_rank(code: int) -> None:
     from multiprocessing import util
 
     util._exit_function()  # what multiprocessing does after the target: queue feeders flushed, children joined
-    for thread in threading.enumerate():  # what the interpreter waits for
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # what the interpreter does next: threading's exit callbacks (a ThreadPoolExecutor's tells its idle workers to
+    # stop; joining them without it waits forever), then the join of every non-daemon thread
+    threading._shutdown()
     atexit._run_exitfuncs()  # Python-level exit handlers, logging's flush among them
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

@@ -94,3 +94,17 @@ def _exit_with(code):
 def test_a_rank_raising_system_exit_is_reported_failed():
     with pytest.raises(LaunchError, match="rank 0 failed: SystemExit: 3"):
         launch(_exit_with, (3,), nproc=1, timeout=120)
+
+
+def _leave_an_idle_thread_pool():
+    """Megatron's checkpointing (and torch's) start executors whose idle workers are non-daemon threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    global _POOL  # held, as a library holds its executor, so no garbage collection wakes its workers
+    _POOL = ThreadPoolExecutor(max_workers=1)
+    _POOL.submit(int).result()
+
+
+def test_a_rank_with_an_idle_thread_pool_still_exits():
+    """Joining the workers without threading's exit callbacks (which tell them to stop) waited forever."""
+    launch(_leave_an_idle_thread_pool, (), nproc=1, timeout=60)
