@@ -390,6 +390,12 @@ def _convert_main(argv: list[str]) -> int:
     return convert_main(argv)
 
 
+def _data_main(argv: list[str]) -> int:
+    from mm_adaptor.data.cli import main as data_main
+
+    return data_main(argv)
+
+
 COMMANDS = {
     "report": (report_main, "versions, device backend, native ops and every feature"),
     "train": (_train_main, "train the built-in tiny GPT (see mm-adaptor train --help)"),
@@ -398,6 +404,7 @@ COMMANDS = {
     "fingerprint": (fingerprint_main, "print the contract fingerprint of dotted targets (for patch authors)"),
     "build-ops": (build_ops_main, "build the native ops ahead of time"),
     "convert": (_convert_main, "convert checkpoints: hf-to-mcore, mcore-to-hf (see mm-adaptor convert --help)"),
+    "data": (_data_main, "training data: llava-to-messages, make-shapes, check (see mm-adaptor data --help)"),
     "schedule": (_schedule_main, "simulate pipeline schedules: step time, bubble, memory, timeline picture"),
 }
 

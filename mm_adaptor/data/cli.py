@@ -1,0 +1,77 @@
+"""`mm-adaptor data llava-to-messages | make-shapes | check`: a refusal is one line and exit status 2."""
+
+from __future__ import annotations
+
+import sys
+
+from mm_adaptor.arguments_errors import ArgumentParser, did_you_mean
+
+SUBCOMMANDS = ("llava-to-messages", "make-shapes", "check")
+
+
+def _parser(name: str) -> ArgumentParser:
+    parser = ArgumentParser(prog=f"mm-adaptor data {name}")
+    if name == "llava-to-messages":
+        parser.description = "LLaVA JSON/JSONL (image, conversations) -> MindSpeed-MM messages JSON"
+        parser.add_argument("input", metavar="IN")
+        parser.add_argument("output", metavar="OUT")
+        parser.add_argument("--image-folder", default=None, help="the folder LLaVA's image paths are relative to "
+                                                                 "(default: IN's folder)")
+    elif name == "make-shapes":
+        parser.description = "a generated shapes-and-colours caption dataset (PNG + messages JSON)"
+        parser.add_argument("out_dir", metavar="OUT_DIR")
+        parser.add_argument("--count", type=int, default=64)
+        parser.add_argument("--seed", type=int, default=0)
+    else:
+        parser.description = "the validation pass: bad records, one line each, and the sample count"
+        parser.add_argument("data_path", metavar="DATA")
+        parser.add_argument("--seq-length", type=int, required=True)
+        parser.add_argument("--tokenizer-model", default=None, help="an HF tokenizer directory (default: bytes)")
+        parser.add_argument("--image-min-pixels", type=int, default=None)
+        parser.add_argument("--image-max-pixels", type=int, default=None)
+        parser.add_argument("--max-samples", type=int, default=None)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    from mm_adaptor.data.records import DataError
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: mm-adaptor data {" + ",".join(SUBCOMMANDS) + "} ...  (each has --help)")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        hint = did_you_mean(name, SUBCOMMANDS)
+        print(f"mm-adaptor data: error: unknown subcommand {name!r}" + (f"; {hint}" if hint else ""),
+              file=sys.stderr)
+        return 2
+    args = _parser(name).parse_args(rest)
+    try:
+        return _run(name, args)
+    except DataError as exc:
+        print(f"mm-adaptor data {name}: error: " + " ".join(str(exc).split()), file=sys.stderr)
+        return 2
+
+
+def _run(name, args) -> int:
+    if name == "llava-to-messages":
+        from mm_adaptor.data.records import llava_to_messages
+
+        print(f"{llava_to_messages(args.input, args.output, args.image_folder)} records written to {args.output}")
+    elif name == "make-shapes":
+        from mm_adaptor.data.shapes import make_shapes
+
+        print(f"{args.count} samples written to {make_shapes(args.out_dir, args.count, args.seed)}")
+    else:
+        from mm_adaptor.data import images
+        from mm_adaptor.data.tokenizer import load_tokenizer
+        from mm_adaptor.data.vlm import validate
+
+        report = validate(args.data_path, load_tokenizer(args.tokenizer_model), args.seq_length,
+                          args.image_min_pixels or images.DEFAULT_MIN_PIXELS,
+                          args.image_max_pixels or images.DEFAULT_MAX_PIXELS, args.max_samples, True)
+        for line in report.bad:
+            print(line)
+        print(report.summary())
+        return 1 if report.bad else 0
+    return 0

@@ -1,0 +1,130 @@
+"""MindSpeed-MM's messages format: reading, LLaVA conversion, and the validation pass's bad-record lines.
+
+A data file is JSON (a list of records) or JSONL (one record a line):
+  {"messages": [{"role": "user", "content": "<image>What is in the picture?"},
+                {"role": "assistant", "content": "..."}], "images": ["path.jpg"]}
+Image paths are relative to the data file's folder. An optional first message with role "system" replaces the
+default system prompt; then user and assistant turns alternate, starting with the user."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from mm_adaptor.errors import ConfigurationError
+
+IMAGE_TAG = "<image>"
+
+
+class DataError(ConfigurationError):
+    """Bad data or a tokenizer that does not fit the model: one line, as every ConfigurationError."""
+
+
+@dataclass
+class Record:
+    """One sample: its data file, where in it ('record N' or 'line N'), its messages and absolute image paths."""
+    file: str
+    where: str
+    messages: list
+    images: list = field(default_factory=list)
+
+
+def data_files(data_path) -> list[str]:
+    """A path, a comma-separated string of paths, or a list of them."""
+    if isinstance(data_path, str):
+        data_path = [p for p in data_path.split(",") if p.strip()]
+    return [os.path.abspath(os.path.expanduser(p.strip())) for p in data_path]
+
+
+def read_records(data_path, max_samples: int | None = None):
+    """(records, bad): records in file order; bad: one line per record that cannot be parsed or lacks keys.
+    max_samples counts records read, good or bad, over all files."""
+    records, bad = [], []
+    for path in data_files(data_path):
+        if max_samples is not None and len(records) + len(bad) >= max_samples:
+            break
+        if not os.path.isfile(path):
+            raise DataError(f"data file {path} does not exist")
+        for where, raw, error in _raw_records(path):
+            if max_samples is not None and len(records) + len(bad) >= max_samples:
+                break
+            if error is None:
+                record, error = _record(path, where, raw)
+            if error is None:
+                records.append(record)
+            else:
+                bad.append(f"{path} {where}: {error}")
+    return records, bad
+
+
+def _raw_records(path):
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as exc:  # the whole file is lost: a refusal, not a skip
+            raise DataError(f"{path}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        for number, item in enumerate(items, 1):
+            yield f"record {number}", item, None
+        return
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield f"line {number}", json.loads(line), None
+        except json.JSONDecodeError as exc:
+            yield f"line {number}", None, f"malformed JSON ({exc.msg} at column {exc.colno})"
+
+
+def _record(path, where, raw):
+    if not isinstance(raw, dict):
+        return None, f"not a JSON object but {type(raw).__name__}"
+    messages = raw.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None, 'missing key "messages" (a non-empty list)'
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            return None, f'message {i} lacks "role" or "content"'
+        if not isinstance(message["content"], str):
+            return None, f"message {i}'s content is not a string"
+    roles = [m["role"] for m in messages]
+    turns = roles[1:] if roles[0] == "system" else roles
+    expected = ["user", "assistant"] * (len(turns) // 2)
+    if not turns or turns != expected or len(turns) % 2:
+        return None, f"roles {roles}: want an optional system, then user and assistant turns alternating"
+    images = raw.get("images", [])
+    if isinstance(images, str):
+        images = [images]
+    if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+        return None, '"images" is not a list of paths'
+    folder = os.path.dirname(path)
+    return Record(path, where, messages, [os.path.join(folder, i) for i in images]), None
+
+
+def llava_to_messages(in_path: str, out_path: str, image_folder: str | None = None) -> int:
+    """LLaVA records ({"image": ..., "conversations": [{"from": "human"|"gpt", "value": ...}]}) -> a messages JSON
+    file; image paths (relative to image_folder, default IN's folder) are rewritten relative to OUT's folder.
+    Returns the number of records written."""
+    with open(in_path, encoding="utf-8") as f:
+        text = f.read()
+    items = json.loads(text) if text.lstrip().startswith("[") else [json.loads(l) for l in text.splitlines() if l.strip()]
+    source = os.path.abspath(image_folder or os.path.dirname(os.path.abspath(in_path)))
+    target = os.path.dirname(os.path.abspath(out_path))
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+    out = []
+    for number, item in enumerate(items, 1):
+        try:
+            messages = [{"role": roles[turn["from"]], "content": turn["value"]} for turn in item["conversations"]]
+        except (KeyError, TypeError) as exc:
+            raise DataError(f"{in_path} record {number}: not a LLaVA record ({exc!r})") from None
+        record = {"messages": messages}
+        image = item.get("image")
+        if image:
+            paths = image if isinstance(image, list) else [image]
+            record["images"] = [os.path.relpath(os.path.join(source, p), target) for p in paths]
+        out.append(record)
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump(out, f, ensure_ascii=False, indent=1)
+    return len(out)

@@ -1,0 +1,240 @@
+"""Qwen2.5-VL training batches from messages-format data: validation, token layout, DP sharding, collation.
+
+Token layout of a sample (Qwen2.5-VL's chat template; every `<image>` tag becomes <|vision_start|>, one
+<|image_pad|> per merged patch (t*h*w/4), <|vision_end|>):
+  <|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n<|im_start|>user\\n...<|im_end|>\\n
+  <|im_start|>assistant\\n...<|im_end|>\\n   (further user/assistant turns alike)
+Loss targets: each assistant reply and its <|im_end|>; the system, user turns, assistant headers and the newline
+after <|im_end|> are masked.
+
+A batch (dict) for micro_batch_size b and seq_length s, padded on the right with <|endoftext|>:
+  input_ids [b, s] long; labels [b, s] long, already shifted: labels[:, t] = input_ids[:, t+1] where that token is
+  a target, else -100 (and -100 at t = s-1); loss_mask [b, s] float, 1 where labels is a target (megatron's
+  GPTModel takes the labels unshifted and returns the loss per token [b, s], so pass labels and multiply by
+  loss_mask); attention_mask [b, s] bool, True on real tokens (right padding: the model can run causal attention
+  with attention_mask=None, pad tokens follow every real token and carry no loss); position_ids [3, b, s] long
+  (rope_index_for with the attention mask; pad positions are 1); pixel_values [sum of patches, 1176] float32 and
+  image_grid_thw [images, 3] long, both None when no sample of the batch has an image; num_tokens [b] long, the
+  real tokens per sample (for throughput); sample_index [b] long, the dataset index of each sample.
+
+Sharding: the samples of iteration i are positions i*G .. i*G+G-1 of an endless stream, epoch e being a permutation
+of the good samples seeded by (seed, e); DP rank r takes the contiguous slice r*G/D .. (r+1)*G/D of each global
+batch, in micro-batches of b. The global batch is the same at any DP size; start_iteration resumes the stream."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mm_adaptor.data import images as image_ops
+from mm_adaptor.data.records import IMAGE_TAG, DataError, Record, read_records
+
+DEFAULT_SYSTEM = "You are a helpful assistant."
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Sample:
+    record: Record
+    grids: list  # grid_thw per image, from the image's size
+    length: int  # tokens
+
+
+@dataclass
+class Report:
+    """The validation pass: the good samples, and one line per bad record (file and record or line number)."""
+    samples: list = field(default_factory=list)
+    bad: list = field(default_factory=list)
+
+    @property
+    def skipped(self) -> int:
+        return len(self.bad)
+
+    def summary(self) -> str:
+        return f"{len(self.samples)} samples, {self.skipped} bad ones skipped"
+
+
+def encode(record: Record, grids, tokenizer) -> tuple[list[int], list[bool]]:
+    """(token ids, is-target flag per token) of one record, images expanded to their pad tokens."""
+    special = tokenizer.special_ids
+    im_start, im_end = [special["<|im_start|>"]], [special["<|im_end|>"]]
+    pieces = []  # (str or list of ids, target)
+    messages = record.messages
+    system = messages[0]["content"] if messages[0]["role"] == "system" else DEFAULT_SYSTEM
+    pieces += [(im_start, False), ("system\n" + system, False), (im_end, False), ("\n", False)]
+    grid_iter = iter(grids)
+    for message in messages[1:] if messages[0]["role"] == "system" else messages:
+        target = message["role"] == "assistant"
+        pieces += [(im_start, False), (message["role"] + "\n", False)]
+        for i, text in enumerate(message["content"].split(IMAGE_TAG)):
+            if i:
+                pads = image_ops.image_tokens(next(grid_iter))
+                vision = [special["<|vision_start|>"]] + [special["<|image_pad|>"]] * pads + [special["<|vision_end|>"]]
+                pieces.append((vision, target))
+            pieces.append((text, target))
+        pieces += [(im_end, target), ("\n", False)]
+    ids, flags = [], []
+    run, run_target = "", False
+    for piece, target in pieces + [([], False)]:
+        if isinstance(piece, str) and (not run or target == run_target):
+            run, run_target = run + piece, target
+            continue
+        if run:  # adjacent text of one kind is tokenized together, as a template string would be
+            encoded = tokenizer.encode(run)
+            ids, flags = ids + encoded, flags + [run_target] * len(encoded)
+        run, run_target = (piece, target) if isinstance(piece, str) else ("", False)
+        if not isinstance(piece, str):
+            ids, flags = ids + piece, flags + [target] * len(piece)
+    return ids, flags
+
+
+def validate(data_path, tokenizer, seq_length: int, image_min_pixels: int = image_ops.DEFAULT_MIN_PIXELS,
+             image_max_pixels: int = image_ops.DEFAULT_MAX_PIXELS, max_samples: int | None = None,
+             skip_bad_samples: bool = False) -> Report:
+    """Read every record, open every image (header and checksum, no decoding of pixels into tensors), count its
+    tokens. Bad records: malformed JSON, missing keys, an image missing or unreadable, images != <image> tags,
+    longer than seq_length. Without skip_bad_samples any bad record raises DataError naming them all."""
+    from PIL import Image
+
+    records, bad = read_records(data_path, max_samples)
+    report = Report(bad=bad)
+    for record in records:
+        where = f"{record.file} {record.where}"
+        tags = sum(m["content"].count(IMAGE_TAG) for m in record.messages)
+        if tags != len(record.images):
+            report.bad.append(f"{where}: {len(record.images)} images for {tags} {IMAGE_TAG} tags")
+            continue
+        grids, problem = [], None
+        for path in record.images:
+            try:
+                with Image.open(path) as image:
+                    size = image.size
+                    image.verify()
+                grids.append(image_ops.grid_for_size(*size, image_min_pixels, image_max_pixels))
+            except FileNotFoundError:
+                problem = f"image {path} does not exist"
+            except Exception as exc:  # PIL raises many kinds for a broken file
+                problem = f"image {path} is unreadable ({type(exc).__name__}: {exc})"
+            if problem:
+                break
+        if problem:
+            report.bad.append(f"{where}: {problem}")
+            continue
+        length = len(encode(record, grids, tokenizer)[0])
+        if length > seq_length:
+            report.bad.append(f"{where}: {length} tokens, longer than seq_length {seq_length}")
+            continue
+        report.samples.append(Sample(record, grids, length))
+    if report.bad and not skip_bad_samples:
+        shown = "; ".join(report.bad[:5]) + ("; ..." if len(report.bad) > 5 else "")
+        raise DataError(f"{len(report.bad)} bad samples (skip_bad_samples skips them): {shown}")
+    if not report.samples:
+        raise DataError(f"no usable samples in {data_path}")
+    return report
+
+
+
+def load_sample(sample: Sample, tokenizer, image_min_pixels, image_max_pixels):
+    """(ids, flags, pixel_values [patches, 1176] or None, grids) of one validated sample."""
+    from PIL import Image
+
+    ids, flags = encode(sample.record, sample.grids, tokenizer)
+    pixels = []
+    for path, grid in zip(sample.record.images, sample.grids):
+        with Image.open(path) as image:
+            values, got = image_ops.preprocess(image, image_min_pixels, image_max_pixels)
+        if tuple(got) != tuple(grid):
+            raise DataError(f"{path}: changed since validation (grid {got}, was {grid})")
+        pixels.append(torch.from_numpy(values))
+    return ids, flags, (torch.cat(pixels) if pixels else None), sample.grids
+
+
+def collate(loaded, seq_length: int, pad_id: int, config, sample_index=None) -> dict:
+    """The batch dict (see the module docstring) of load_sample results."""
+    from mm_adaptor.models.qwen2_5_vl import rope_index_for
+
+    b = len(loaded)
+    input_ids = torch.full((b, seq_length), pad_id, dtype=torch.long)
+    labels = torch.full((b, seq_length), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((b, seq_length), dtype=torch.bool)
+    for row, (ids, flags, _, _) in enumerate(loaded):
+        n = len(ids)
+        input_ids[row, :n] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, :n] = True
+        next_is_target = torch.tensor(flags[1:], dtype=torch.bool)
+        labels[row, :n - 1] = torch.where(next_is_target, input_ids[row, 1:n], IGNORE_INDEX)
+    loss_mask = (labels != IGNORE_INDEX).float()
+    pixels = [p for _, _, p, _ in loaded if p is not None]
+    grids = [list(g) for _, _, _, gs in loaded for g in gs]
+    image_grid_thw = torch.tensor(grids, dtype=torch.long) if grids else None
+    position_ids, _ = rope_index_for(config, input_ids, image_grid_thw=image_grid_thw,
+                                     attention_mask=attention_mask.long())
+    return {
+        "input_ids": input_ids, "labels": labels, "loss_mask": loss_mask, "attention_mask": attention_mask,
+        "position_ids": position_ids.long(), "pixel_values": torch.cat(pixels) if pixels else None,
+        "image_grid_thw": image_grid_thw, "num_tokens": attention_mask.sum(1),
+        "sample_index": torch.tensor(sample_index if sample_index is not None else [-1] * b, dtype=torch.long),
+    }
+
+
+def global_batch_indices(iteration: int, global_batch_size: int, num_samples: int, seed: int) -> list[int]:
+    """Dataset indices of iteration's global batch: positions of an endless stream of seeded per-epoch
+    permutations (independent of the DP size)."""
+    out, cache = [], {}
+    for position in range(iteration * global_batch_size, (iteration + 1) * global_batch_size):
+        epoch, offset = divmod(position, num_samples)
+        if epoch not in cache:
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            cache[epoch] = torch.randperm(num_samples, generator=generator).tolist()
+        out.append(cache[epoch][offset])
+    return out
+
+
+class BatchIterator:
+    """Endless micro-batches of this DP rank, iteration by iteration from start_iteration; num_microbatches of
+    them make one iteration. `report` is the validation pass (report.skipped: bad samples skipped)."""
+
+    def __init__(self, report, tokenizer, config, seq_length, micro_batch_size, global_batch_size, dp_rank,
+                 dp_size, start_iteration, image_min_pixels, image_max_pixels, seed):
+        if global_batch_size % (micro_batch_size * dp_size):
+            raise DataError(f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size "
+                            f"{micro_batch_size} x data-parallel size {dp_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise DataError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
+        self.report, self.tokenizer, self.config = report, tokenizer, config
+        self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
+        self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
+        self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
+        self.pixels = (image_min_pixels, image_max_pixels)
+        self.seed, self.iteration, self._micro = seed, start_iteration, 0
+        self.pad_id = tokenizer.special_ids["<|endoftext|>"]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        per_rank = self.global_batch_size // self.dp_size
+        indices = global_batch_indices(self.iteration, self.global_batch_size, len(self.report.samples), self.seed)
+        mine = indices[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+        chosen = mine[self._micro * self.micro_batch_size:(self._micro + 1) * self.micro_batch_size]
+        self._micro += 1
+        if self._micro == self.num_microbatches:
+            self.iteration, self._micro = self.iteration + 1, 0
+        loaded = [load_sample(self.report.samples[i], self.tokenizer, *self.pixels) for i in chosen]
+        return collate(loaded, self.seq_length, self.pad_id, self.config, chosen)
+
+
+def build(data_path, tokenizer, config, seq_length: int, micro_batch_size: int = 1, global_batch_size: int = 1,
+          dp_rank: int = 0, dp_size: int = 1, start_iteration: int = 0,
+          image_min_pixels: int = image_ops.DEFAULT_MIN_PIXELS, image_max_pixels: int = image_ops.DEFAULT_MAX_PIXELS,
+          skip_bad_samples: bool = False, max_samples: int | None = None, seed: int = 1234) -> BatchIterator:
+    """Validate the data (DataError on bad records unless skip_bad_samples) and return this rank's BatchIterator.
+    config: the Qwen25VLConfig (its token ids must be the tokenizer's: check_model_matches)."""
+    from mm_adaptor.data.tokenizer import check_model_matches
+
+    check_model_matches(tokenizer, config)
+    report = validate(data_path, tokenizer, seq_length, image_min_pixels, image_max_pixels, max_samples,
+                      skip_bad_samples)
+    return BatchIterator(report, tokenizer, config, seq_length, micro_batch_size, global_batch_size, dp_rank,
+                         dp_size, start_iteration, image_min_pixels, image_max_pixels, seed)
