@@ -1,0 +1,139 @@
+"""The FAKE 'hccl' process-group backend: gloo on host copies of npu tensors, refusing float64 as HCCL does.
+
+Each collective copies its npu tensors to host buffers, runs gloo's collective on them, and writes the results
+back into the npu tensors when its work is waited on. Not HCCL: no timeouts, streams or topology of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+CALLS: dict[str, int] = {}
+
+
+def _refuse_fp64(tensors):
+    for t in tensors:
+        if t.dtype == torch.float64:
+            raise RuntimeError("hccl (FAKE): float64 is not supported by HCCL collectives")
+
+
+def _host(t):
+    return t.detach().cpu() if t.device.type != "cpu" else t
+
+
+class _CopyBack(dist.Work):
+    """Waits on gloo's work, then writes the host results back into the npu tensors."""
+
+    def __init__(self, work, pairs):
+        super().__init__()
+        self._work, self._pairs, self._done = work, pairs, False
+
+    def wait(self, timeout=None):
+        if not self._done:
+            self._work.wait()
+            for device_tensor, host in self._pairs:
+                if device_tensor is not host:
+                    device_tensor.copy_(host)
+            self._done = True
+        return True
+
+    def is_completed(self):
+        return self._done
+
+    def get_future(self):
+        self.wait()
+        fut = torch.futures.Future()
+        fut.set_result([t for t, _ in self._pairs])
+        return fut
+
+
+class FakeHccl(dist.ProcessGroup):
+    def __init__(self, store, rank, size, timeout):
+        super().__init__(rank, size)
+        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    def getBackendName(self):
+        return "hccl"
+
+    def name(self):
+        return "hccl"
+
+    def _run(self, name, inputs, outputs, call):
+        CALLS[name] = CALLS.get(name, 0) + 1
+        _refuse_fp64([*inputs, *outputs])
+        host_in = {id(t): _host(t) for t in inputs}
+        host_out = {id(t): host_in.get(id(t), _host(t)) for t in outputs}
+        work = call(lambda t: host_in.get(id(t), host_out.get(id(t), t)))
+        return _CopyBack(work, [(t, host_out[id(t)]) for t in outputs])
+
+    def allreduce(self, tensors, opts):
+        return self._run("allreduce", tensors, tensors, lambda h: self._gloo.allreduce([h(t) for t in tensors], opts))
+
+    def broadcast(self, tensors, opts):
+        return self._run("broadcast", tensors, tensors, lambda h: self._gloo.broadcast([h(t) for t in tensors], opts))
+
+    def allgather(self, outputs, inputs, opts):
+        flat = [t for group in outputs for t in group]
+        return self._run("allgather", inputs, flat, lambda h: self._gloo.allgather(
+            [[h(t) for t in group] for group in outputs], [h(t) for t in inputs], opts))
+
+    def all_gather_single(self, output, input, opts):
+        return self._run("all_gather_single", [input], [output],
+                         lambda h: self._gloo._allgather_base(h(output), h(input), opts))
+
+    def reduce_scatter_single(self, output, input, opts):
+        return self._run("reduce_scatter_single", [input], [output],
+                         lambda h: self._gloo._reduce_scatter_base(h(output), h(input), opts))
+
+    def reduce_scatter(self, outputs, inputs, opts):
+        flat = [t for group in inputs for t in group]
+        return self._run("reduce_scatter", flat, outputs, lambda h: self._gloo.reduce_scatter(
+            [h(t) for t in outputs], [[h(t) for t in group] for group in inputs], opts))
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
+        return self._run("all_to_all_single", [input], [output], lambda h: self._gloo.alltoall_base(
+            h(output), h(input), output_split_sizes, input_split_sizes, opts))
+
+    def reduce(self, tensors, opts):
+        return self._run("reduce", tensors, tensors, lambda h: self._gloo.reduce([h(t) for t in tensors], opts))
+
+    def alltoall(self, outputs, inputs, opts):
+        return self._run("alltoall", inputs, outputs, lambda h: self._gloo.alltoall(
+            [h(t) for t in outputs], [h(t) for t in inputs], opts))
+
+    def allreduce_coalesced(self, tensors, opts):
+        return self._run("allreduce_coalesced", tensors, tensors,
+                         lambda h: self._gloo.allreduce_coalesced([h(t) for t in tensors], opts))
+
+    def send(self, tensors, dst, tag):
+        return self._run("send", tensors, [], lambda h: self._gloo.send([h(t) for t in tensors], dst, tag))
+
+    def recv(self, tensors, src, tag):
+        return self._run("recv", [], tensors, lambda h: self._gloo.recv([h(t) for t in tensors], src, tag))
+
+    def recv_anysource(self, tensors, tag):
+        return self._run("recv", [], tensors, lambda h: self._gloo.recv_anysource([h(t) for t in tensors], tag))
+
+    def barrier(self, opts):
+        CALLS["barrier"] = CALLS.get("barrier", 0) + 1
+        return self._gloo.barrier(opts)
+
+    def gather(self, outputs, inputs, opts):
+        flat = [t for group in outputs for t in group]
+        return self._run("gather", inputs, flat, lambda h: self._gloo.gather(
+            [[h(t) for t in group] for group in outputs], [h(t) for t in inputs], opts))
+
+    def scatter(self, outputs, inputs, opts):
+        flat = [t for group in inputs for t in group]
+        return self._run("scatter", flat, outputs, lambda h: self._gloo.scatter(
+            [h(t) for t in outputs], [[h(t) for t in group] for group in inputs], opts))
+
+
+def _create(store, rank, size, timeout):
+    return FakeHccl(store, rank, size, timeout)
+
+
+def register() -> None:
+    if "hccl" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("hccl", _create, devices=["npu", "cpu"])

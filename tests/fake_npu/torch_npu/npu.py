@@ -1,0 +1,239 @@
+"""`torch.npu` of the FAKE npu device (tests only): devices, streams, events, memory counters and RNG state.
+
+Work is synchronous, so streams and events only order what is already ordered. Random ops on `npu` tensors draw
+from `default_generators` (one host generator per fake device), not from torch's CPU generator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import types
+
+import torch
+
+FAKE = True
+
+
+def is_available() -> bool:
+    return True
+
+
+def is_initialized() -> bool:
+    return True
+
+
+def init() -> None:
+    pass
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def device_count() -> int:
+    return torch._C._get_privateuse1_backend_name() == "npu" and _count()
+
+
+def _count() -> int:
+    import os
+
+    from torch_npu import DEVICES_ENV
+
+    return int(os.environ.get(DEVICES_ENV, "1"))
+
+
+def current_device() -> int:
+    return torch.ops.fake_npu.current_device()
+
+
+def _index(device) -> int:
+    if device is None:
+        return current_device()
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        return current_device() if device.index is None else device.index
+    return int(device)
+
+
+def set_device(device) -> None:
+    torch.ops.fake_npu.set_device(_index(device))
+
+
+@contextlib.contextmanager
+def device(index):
+    previous = current_device()
+    set_device(index)
+    try:
+        yield
+    finally:
+        set_device(previous)
+
+
+def synchronize(device=None) -> None:
+    pass
+
+
+def empty_cache() -> None:
+    pass
+
+
+class Stream:
+    """A stream of the fake device: work runs as it is issued."""
+
+    def __init__(self, device=None, priority=0, **_kwargs):
+        self.device = torch.device("npu", _index(device))
+        self.priority = priority
+        self.npu_stream = 0
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class Event:
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False, **_kwargs):
+        self._time = None
+
+    def record(self, stream=None):
+        self._time = time.perf_counter()
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end) -> float:
+        return (end._time - self._time) * 1000.0
+
+
+_DEFAULT_STREAMS: dict[int, Stream] = {}
+
+
+def default_stream(device=None) -> Stream:
+    index = _index(device)
+    return _DEFAULT_STREAMS.setdefault(index, Stream(index))
+
+
+current_stream = default_stream
+
+
+def set_stream(stream) -> None:
+    pass
+
+
+stream = contextlib.nullcontext
+
+
+def memory_allocated(device=None) -> int:
+    return torch.ops.fake_npu.memory_allocated()
+
+
+def max_memory_allocated(device=None) -> int:
+    return torch.ops.fake_npu.max_memory_allocated()
+
+
+memory_reserved = memory_allocated
+max_memory_reserved = max_memory_allocated
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    torch.ops.fake_npu.reset_peak_memory_stats()
+
+
+reset_max_memory_allocated = reset_peak_memory_stats
+
+
+def memory_stats(device=None) -> dict:
+    return {"allocated_bytes.all.current": memory_allocated(), "allocated_bytes.all.peak": max_memory_allocated(),
+            "num_alloc_retries": 0}
+
+
+def get_device_properties(device=None):
+    return types.SimpleNamespace(name="FAKE npu (host memory)", total_memory=64 << 30, major=0, minor=0,
+                                 multi_processor_count=1, is_integrated=False)
+
+
+def get_device_name(device=None) -> str:
+    return "FAKE npu (host memory)"
+
+
+def get_device_capability(device=None):
+    return (0, 0)
+
+
+# RNG: one host generator per fake device.
+default_generators = tuple(torch.Generator() for _ in range(max(_count(), 1)))
+for _generator in default_generators:
+    _generator.manual_seed(67280421310721)
+
+
+def _generator(device=None) -> torch.Generator:
+    return default_generators[_index(device)]
+
+
+def get_rng_state(device="npu") -> torch.Tensor:
+    return _generator(device).get_state()
+
+
+def set_rng_state(new_state, device="npu") -> None:
+    _generator(device).set_state(new_state.cpu() if new_state.device.type != "cpu" else new_state)
+
+
+def get_rng_state_all():
+    return [g.get_state() for g in default_generators]
+
+
+def set_rng_state_all(states) -> None:
+    for g, s in zip(default_generators, states):
+        g.set_state(s)
+
+
+def manual_seed(seed) -> None:
+    _generator(None).manual_seed(int(seed))
+
+
+def manual_seed_all(seed) -> None:
+    for g in default_generators:
+        g.manual_seed(int(seed))
+
+
+def seed() -> None:
+    _generator(None).seed()
+
+
+def initial_seed() -> int:
+    return _generator(None).initial_seed()
+
+
+def _lazy_call(callable, **_kwargs):
+    """The fake device is initialised at import: queued calls run at once."""
+    callable()
+
+
+def _lazy_init() -> None:
+    pass

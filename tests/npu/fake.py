@@ -1,0 +1,31 @@
+"""Runs code in a fresh interpreter with the FAKE torch_npu (tests/fake_npu) importable: importing it changes torch
+for the whole process, so it never enters the test session's own interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+FAKE_NPU_PATH = Path(__file__).resolve().parent.parent / "fake_npu"
+
+
+def env(devices: int = 2, **extra) -> dict:
+    merged = dict(os.environ)
+    merged["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAKE_NPU_PATH), merged.get("PYTHONPATH")]))
+    merged["MM_ADAPTOR_FAKE_NPU_DEVICES"] = str(devices)
+    merged.update({k: str(v) for k, v in extra.items()})
+    return merged
+
+
+def run_python(source: str, *, devices: int = 2, timeout: int = 600, **extra) -> dict:
+    """Run `source` (it must print one JSON line prefixed RESULT=) and return that JSON."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True,
+                          env=env(devices, **extra), timeout=timeout)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT="):
+            return json.loads(line[len("RESULT="):])
+    raise AssertionError(f"no result (rc {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
