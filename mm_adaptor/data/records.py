@@ -28,6 +28,7 @@ class Record:
     where: str
     messages: list
     images: list = field(default_factory=list)
+    order: tuple = (0, 0)  # (file index, record or line number): sorts reports in file order
 
 
 def data_files(data_path) -> list[str]:
@@ -38,10 +39,10 @@ def data_files(data_path) -> list[str]:
 
 
 def read_records(data_path, max_samples: int | None = None):
-    """(records, bad): records in file order; bad: one line per record that cannot be parsed or lacks keys.
+    """(records, bad): records in file order; bad: (order, line) per record that cannot be parsed or lacks keys.
     max_samples counts records read, good or bad, over all files."""
     records, bad = [], []
-    for path in data_files(data_path):
+    for file_index, path in enumerate(data_files(data_path)):
         if max_samples is not None and len(records) + len(bad) >= max_samples:
             break
         if not os.path.isfile(path):
@@ -49,12 +50,14 @@ def read_records(data_path, max_samples: int | None = None):
         for where, raw, error in _raw_records(path):
             if max_samples is not None and len(records) + len(bad) >= max_samples:
                 break
+            order = (file_index, int(where.split()[1]))
             if error is None:
                 record, error = _record(path, where, raw)
             if error is None:
+                record.order = order
                 records.append(record)
             else:
-                bad.append(f"{path} {where}: {error}")
+                bad.append((order, f"{path} {where}: {error}"))
     return records, bad
 
 

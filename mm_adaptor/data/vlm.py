@@ -23,6 +23,7 @@ batch, in micro-batches of b. The global batch is the same at any DP size; start
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -98,12 +99,12 @@ def validate(data_path, tokenizer, seq_length: int, image_min_pixels: int = imag
     from PIL import Image
 
     records, bad = read_records(data_path, max_samples)
-    report = Report(bad=bad)
+    samples = []
     for record in records:
         where = f"{record.file} {record.where}"
         tags = sum(m["content"].count(IMAGE_TAG) for m in record.messages)
         if tags != len(record.images):
-            report.bad.append(f"{where}: {len(record.images)} images for {tags} {IMAGE_TAG} tags")
+            bad.append((record.order, f"{where}: {len(record.images)} images for {tags} {IMAGE_TAG} tags"))
             continue
         grids, problem = [], None
         for path in record.images:
@@ -119,18 +120,17 @@ def validate(data_path, tokenizer, seq_length: int, image_min_pixels: int = imag
             if problem:
                 break
         if problem:
-            report.bad.append(f"{where}: {problem}")
+            bad.append((record.order, f"{where}: {problem}"))
             continue
         length = len(encode(record, grids, tokenizer)[0])
         if length > seq_length:
-            report.bad.append(f"{where}: {length} tokens, longer than seq_length {seq_length}")
+            bad.append((record.order, f"{where}: {length} tokens, longer than seq_length {seq_length}"))
             continue
-        report.samples.append(Sample(record, grids, length))
+        samples.append(Sample(record, grids, length))
+    report = Report(samples, [line for _, line in sorted(bad)])
     if report.bad and not skip_bad_samples:
         shown = "; ".join(report.bad[:5]) + ("; ..." if len(report.bad) > 5 else "")
         raise DataError(f"{len(report.bad)} bad samples (skip_bad_samples skips them): {shown}")
-    if not report.samples:
-        raise DataError(f"no usable samples in {data_path}")
     return report
 
 
@@ -181,14 +181,17 @@ def collate(loaded, seq_length: int, pad_id: int, config, sample_index=None) -> 
 def global_batch_indices(iteration: int, global_batch_size: int, num_samples: int, seed: int) -> list[int]:
     """Dataset indices of iteration's global batch: positions of an endless stream of seeded per-epoch
     permutations (independent of the DP size)."""
-    out, cache = [], {}
+    out = []
     for position in range(iteration * global_batch_size, (iteration + 1) * global_batch_size):
         epoch, offset = divmod(position, num_samples)
-        if epoch not in cache:
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-            cache[epoch] = torch.randperm(num_samples, generator=generator).tolist()
-        out.append(cache[epoch][offset])
+        out.append(_permutation(num_samples, seed, epoch)[offset])
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(num_samples: int, seed: int, epoch: int) -> list:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_samples, generator=generator).tolist()
 
 
 class BatchIterator:
@@ -236,5 +239,7 @@ def build(data_path, tokenizer, config, seq_length: int, micro_batch_size: int =
     check_model_matches(tokenizer, config)
     report = validate(data_path, tokenizer, seq_length, image_min_pixels, image_max_pixels, max_samples,
                       skip_bad_samples)
+    if not report.samples:
+        raise DataError(f"no usable samples in {data_path} ({report.skipped} bad ones skipped)")
     return BatchIterator(report, tokenizer, config, seq_length, micro_batch_size, global_batch_size, dp_rank,
                          dp_size, start_iteration, image_min_pixels, image_max_pixels, seed)

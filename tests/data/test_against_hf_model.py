@@ -1,0 +1,34 @@
+"""A batch means to transformers' Qwen2.5-VL what it means to ours: its 3-D positions are HF's get_rope_index
+(with the attention mask), and our shifted labels with loss_mask give HF's own loss (HF shifts inside)."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from mm_adaptor.data import build  # noqa: E402
+from mm_adaptor.data.vlm import IGNORE_INDEX  # noqa: E402
+from mm_adaptor.models.qwen2_5_vl import tiny_hf_config_dict  # noqa: E402
+
+
+def test_positions_and_loss_as_transformers(shapes, byte_setup):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer, config = byte_setup
+    batch = next(build(shapes, tokenizer, config, 320, micro_batch_size=3, global_batch_size=3, seed=11))
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**tiny_hf_config_dict(config))).eval()
+    mask = batch["attention_mask"]
+    positions, _ = model.model.get_rope_index(batch["input_ids"], batch["image_grid_thw"], None,
+                                              attention_mask=mask.long())
+    assert torch.equal(positions[:, mask], batch["position_ids"][:, mask])
+    # HF's labels: unshifted, -100 off targets; it shifts them itself
+    hf_labels = torch.full_like(batch["input_ids"], IGNORE_INDEX)
+    hf_labels[:, 1:] = batch["labels"][:, :-1]
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], attention_mask=mask.long(), pixel_values=batch["pixel_values"],
+                    image_grid_thw=batch["image_grid_thw"], labels=hf_labels)
+    per_token = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1),
+                                                  batch["labels"].clamp(min=0).flatten(), reduction="none")
+    ours = (per_token * batch["loss_mask"].flatten()).sum() / batch["loss_mask"].sum()
+    torch.testing.assert_close(ours, out.loss.float(), rtol=1e-6, atol=1e-6)
