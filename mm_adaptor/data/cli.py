@@ -63,13 +63,11 @@ def _run(name, args) -> int:
 
         print(f"{args.count} samples written to {make_shapes(args.out_dir, args.count, args.seed)}")
     else:
-        from mm_adaptor.data import images
         from mm_adaptor.data.tokenizer import load_tokenizer
         from mm_adaptor.data.vlm import validate
 
         report = validate(args.data_path, load_tokenizer(args.tokenizer_model), args.seq_length,
-                          args.image_min_pixels or images.DEFAULT_MIN_PIXELS,
-                          args.image_max_pixels or images.DEFAULT_MAX_PIXELS, args.max_samples, True)
+                          args.image_min_pixels, args.image_max_pixels, args.max_samples, True)
         for line in report.bad:
             print(line)
         print(report.summary())

@@ -90,14 +90,15 @@ def encode(record: Record, grids, tokenizer) -> tuple[list[int], list[bool]]:
     return ids, flags
 
 
-def validate(data_path, tokenizer, seq_length: int, image_min_pixels: int = image_ops.DEFAULT_MIN_PIXELS,
-             image_max_pixels: int = image_ops.DEFAULT_MAX_PIXELS, max_samples: int | None = None,
+def validate(data_path, tokenizer, seq_length: int, image_min_pixels: int | None = None,
+             image_max_pixels: int | None = None, max_samples: int | None = None,
              skip_bad_samples: bool = False) -> Report:
     """Read every record, open every image (header and checksum, no decoding of pixels into tensors), count its
     tokens. Bad records: malformed JSON, missing keys, an image missing or unreadable, images != <image> tags,
     longer than seq_length. Without skip_bad_samples any bad record raises DataError naming them all."""
     from PIL import Image
 
+    image_min_pixels, image_max_pixels = _pixel_bounds(image_min_pixels, image_max_pixels)
     records, bad = read_records(data_path, max_samples)
     samples = []
     for record in records:
@@ -230,16 +231,26 @@ class BatchIterator:
 
 def build(data_path, tokenizer, config, seq_length: int, micro_batch_size: int = 1, global_batch_size: int = 1,
           dp_rank: int = 0, dp_size: int = 1, start_iteration: int = 0,
-          image_min_pixels: int = image_ops.DEFAULT_MIN_PIXELS, image_max_pixels: int = image_ops.DEFAULT_MAX_PIXELS,
+          image_min_pixels: int | None = None, image_max_pixels: int | None = None,
           skip_bad_samples: bool = False, max_samples: int | None = None, seed: int = 1234) -> BatchIterator:
     """Validate the data (DataError on bad records unless skip_bad_samples) and return this rank's BatchIterator.
     config: the Qwen25VLConfig (its token ids must be the tokenizer's: check_model_matches)."""
     from mm_adaptor.data.tokenizer import check_model_matches
 
     check_model_matches(tokenizer, config)
+    image_min_pixels, image_max_pixels = _pixel_bounds(image_min_pixels, image_max_pixels)
     report = validate(data_path, tokenizer, seq_length, image_min_pixels, image_max_pixels, max_samples,
                       skip_bad_samples)
     if not report.samples:
         raise DataError(f"no usable samples in {data_path} ({report.skipped} bad ones skipped)")
     return BatchIterator(report, tokenizer, config, seq_length, micro_batch_size, global_batch_size, dp_rank,
                          dp_size, start_iteration, image_min_pixels, image_max_pixels, seed)
+
+
+def _pixel_bounds(low, high):
+    # None: Qwen's defaults
+    low = image_ops.DEFAULT_MIN_PIXELS if low is None else int(low)
+    high = image_ops.DEFAULT_MAX_PIXELS if high is None else int(high)
+    if not 0 < low <= high:
+        raise DataError(f"image_min_pixels {low} and image_max_pixels {high}: want 0 < min <= max")
+    return low, high

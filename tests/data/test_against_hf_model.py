@@ -22,9 +22,14 @@ def test_positions_and_loss_as_transformers(shapes, byte_setup):
     positions, _ = model.model.get_rope_index(batch["input_ids"], batch["image_grid_thw"], None,
                                               attention_mask=mask.long())
     assert torch.equal(positions[:, mask], batch["position_ids"][:, mask])
-    # HF's labels: unshifted, -100 off targets; it shifts them itself
+    # HF's labels: the input ids themselves (HF shifts them) on the reply and its <|im_end|>, found from the ids
     hf_labels = torch.full_like(batch["input_ids"], IGNORE_INDEX)
-    hf_labels[:, 1:] = batch["labels"][:, :-1]
+    im_start, im_end = tokenizer.special_ids["<|im_start|>"], tokenizer.special_ids["<|im_end|>"]
+    header = len(tokenizer.encode("assistant\n"))
+    for row, ids in enumerate(batch["input_ids"].tolist()):
+        first = max(i for i, token in enumerate(ids) if token == im_start) + 1 + header
+        last = ids.index(im_end, first)
+        hf_labels[row, first:last + 1] = batch["input_ids"][row, first:last + 1]
     with torch.no_grad():
         out = model(input_ids=batch["input_ids"], attention_mask=mask.long(), pixel_values=batch["pixel_values"],
                     image_grid_thw=batch["image_grid_thw"], labels=hf_labels)
