@@ -29,9 +29,20 @@ def check_args(args: argparse.Namespace, world_size: int, *, check_devices: bool
     options = features.fill_defaults(args)
     features.validate(options, features.serving(options, features.enabled_features(options)))
     check_paths(args)
+    _check_data(args)
     problem = check_devices and _ranks_per_node_problem(args)  # last: it imports torch
     if problem:
         raise LayoutError(problem)
+
+
+def _check_data(args: argparse.Namespace) -> None:
+    """A VLM's data set is validated here, before any rank starts (its DataError is one line)."""
+    from mm_adaptor.train import vlm
+
+    if vlm.is_vlm(args):
+        problems = vlm.data_problems(args)
+        if problems:
+            raise LayoutError(*problems)
 
 
 def _ranks_per_node_problem(args: argparse.Namespace) -> str | None:

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from mm_adaptor.arguments_errors import ArgumentParser
+from mm_adaptor.train import vlm
 
 
 def build_parser(prog: str = "mm-adaptor train") -> argparse.ArgumentParser:
@@ -82,6 +83,9 @@ def build_parser(prog: str = "mm-adaptor train") -> argparse.ArgumentParser:
     t.add_argument("--save-interval", type=int, default=None, help="default: save once, at the end")
     t.add_argument("--load", type=str, default=None, help="checkpoint directory to resume from (at or past --train-iters: nothing to do, status 0)")
     t.add_argument("--no-load-optim", action="store_true", help="load the checkpoint's weights only")
+    t.add_argument("--no-save-optim", action="store_true", help="save the weights without the optimizer state")
+    t.add_argument("--no-save-rng", action="store_true", help="save no random-number generator states")
+    t.add_argument("--no-load-rng", action="store_true", help="keep this run's seeds instead of the checkpoint's RNG")
     t.add_argument("--dump", type=str, default=None,
                    help="write per-rank losses, final gradients and parameters here (used by mm-adaptor check)")
     t.add_argument("--timeout", type=float, default=900.0, help="seconds without progress before a rank is declared hung")
@@ -90,6 +94,7 @@ def build_parser(prog: str = "mm-adaptor train") -> argparse.ArgumentParser:
     t.add_argument("--verbose", action=ShowEveryWarning, help="print every library warning, the known-harmless ones "
                                                               "included (by default they are counted in one line)")
 
+    vlm.add_arguments(p)
     features.add_arguments(p)
     return p
 
@@ -189,7 +194,7 @@ def ffn_hidden_size(args: argparse.Namespace) -> int:
 def finalize_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Derive defaults; raise LayoutError listing every out-of-range value, or else every broken rule of the
     layout (Megatron-LM's divisibility rules for what the driver builds)."""
-    problems = range_problems(args)
+    problems = range_problems(args) + (vlm.shape_args(args) if vlm.is_vlm(args) else [])
     if problems:
         raise LayoutError(*problems)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -209,7 +214,7 @@ def finalize_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     dp = args.data_parallel_size
     if args.sequence_parallel and tp == 1:
         problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if args.num_layers % pp != 0:
+    if args.num_layers % pp != 0 and not getattr(args, "pipeline_layers", None):
         problems.append(_not_divisible("--num-layers", args.num_layers, "--pipeline-model-parallel-size", pp))
     args.virtual_pipeline_model_parallel_size = None
     per_stage = args.num_layers // pp
@@ -299,6 +304,8 @@ def finalize_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.recompute_num_layers is not None and args.recompute_num_layers > per_stage:
         problems.append(f"--recompute-num-layers {args.recompute_num_layers} is above the layers per pipeline stage "
                         f"({per_stage}): use 1 to {per_stage}")
+    if not problems and vlm.is_vlm(args):
+        problems = vlm.problems(args)
     if problems:
         raise LayoutError(*problems)
     return args

@@ -6,10 +6,12 @@ a `.saving` directory behind and the marker at the previous checkpoint."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
+from mm_adaptor.train import vlm
 from mm_adaptor.train.model import unwrap
 
 
@@ -80,7 +82,8 @@ def _publish(staging: Path, final: Path) -> None:
     shutil.rmtree(set_aside, ignore_errors=True)
 
 
-def save_checkpoint(state, directory: str) -> Path:
+def save_checkpoint(state, directory: str, *, save_optim: bool = True, save_rng: bool = True) -> Path:
+    """save_optim / save_rng False: Megatron-LM's --no-save-optim / --no-save-rng."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -90,7 +93,12 @@ def save_checkpoint(state, directory: str) -> Path:
         shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
         staging.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(state, is_loading=False), str(staging))
+    dist_checkpointing.save(_sharded_state_dict(state, is_loading=False, with_optimizer=save_optim), str(staging))
+    if save_rng:
+        _save_rng(staging)
+    if dist.get_rank() == 0:
+        (staging / CONTENTS).write_text(json.dumps({"optimizer": save_optim, "rng": save_rng,
+                                                    "world_size": dist.get_world_size()}))
     dist.barrier()  # every rank has written its shards
     if dist.get_rank() == 0:
         _publish(staging, final)
@@ -99,7 +107,7 @@ def save_checkpoint(state, directory: str) -> Path:
     return final
 
 
-def load_checkpoint(state, directory: str, *, load_optim: bool = True) -> int:
+def load_checkpoint(state, directory: str, *, load_optim: bool = True, load_rng: bool = True) -> int:
     """Load the latest checkpoint under `directory`; returns its iteration.
 
     load_optim=False (Megatron-LM's --no-load-optim) loads the weights only, e.g. a checkpoint saved before the
@@ -109,6 +117,11 @@ def load_checkpoint(state, directory: str, *, load_optim: bool = True) -> int:
     path = latest_checkpoint(directory)
     if path is None:
         raise FileNotFoundError(f"no checkpoint under {directory} (missing {MARKER})")
+    contents = json.loads((path / CONTENTS).read_text()) if (path / CONTENTS).exists() else None
+    if contents is not None and not contents["optimizer"]:
+        load_optim = False  # saved with --no-save-optim
+    if contents is None and vlm.is_vlm(state.args):
+        load_optim = False  # a converted checkpoint: weights only
     loaded = dist_checkpointing.load(_sharded_state_dict(state, is_loading=True, with_optimizer=load_optim), str(path))
     for i, chunk in enumerate(state.model):
         unwrap(chunk).load_state_dict(loaded[_model_key(state, i)])
@@ -117,4 +130,47 @@ def load_checkpoint(state, directory: str, *, load_optim: bool = True) -> int:
         state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     else:
         state.optimizer.reload_model_params()
+    if load_rng and contents is not None and contents["rng"]:
+        _load_rng(path, contents["world_size"])
     return int(loaded["iteration"])
+
+
+CONTENTS = "mm_adaptor_train.json"  # what a driver's save holds: {"optimizer": bool, "rng": bool, "world_size": n}
+
+
+def _rng_file(path: Path) -> Path:
+    import torch.distributed as dist
+
+    return path / "rng" / f"rank{dist.get_rank()}.pt"
+
+
+def _save_rng(path: Path) -> None:
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    file = _rng_file(path)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}, file)
+
+
+def _load_rng(path: Path, saved_world_size: int) -> None:
+    """Each rank's generators as saved (as Megatron-LM, only when the world size is the same)."""
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from megatron.core import tensor_parallel
+
+    file = _rng_file(path)
+    if saved_world_size != dist.get_world_size() or not file.exists():
+        return
+    states = torch.load(file, weights_only=False)
+    random.setstate(states["random"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])

@@ -101,7 +101,9 @@ def _recorded_modules(model):
     from mm_adaptor.train.model import unwrap
 
     for i, chunk in enumerate(model):
-        for layer in getattr(getattr(unwrap(chunk), "decoder", None), "layers", []):
+        module = unwrap(chunk)
+        module = getattr(module, "language_model", module)  # a VLM: its language model's layers
+        for layer in getattr(getattr(module, "decoder", None), "layers", []):
             for sub in RECORDED_SUBMODULES:
                 module = getattr(layer, sub, None) if sub else layer
                 if module is not None and not isinstance(module, IdentityOp):

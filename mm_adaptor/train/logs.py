@@ -28,6 +28,8 @@ class StepRecord:
     elapsed_ms: float
     lr: float
     tokens_per_second: float
+    tokens_per_sample: float | None = None  # --log-tps: non-padding language tokens per sample
+    samples_per_second: float | None = None
 
 
 def format_iteration(args, rec: StepRecord, consumed: int, loss_scale: float) -> str:
@@ -43,7 +45,12 @@ def format_iteration(args, rec: StepRecord, consumed: int, loss_scale: float) ->
     ]
     if rec.grad_norm is not None:
         parts.append(f"grad norm: {rec.grad_norm:.3f}")
-    parts.append(f"tokens per second: {rec.tokens_per_second:.1f}")
+    if getattr(args, "log_tps", False):  # MindSpeed-MM's --log-tps: non-padding language tokens
+        parts.append(f"tokens per sample: {rec.tokens_per_sample:.1f}")
+        parts.append(f"tokens per second: {rec.tokens_per_second:.1f}")
+        parts.append(f"samples per second: {rec.samples_per_second:.2f}")
+    else:
+        parts.append(f"tokens per second: {rec.tokens_per_second:.1f}")
     return " | ".join(parts) + " |"
 
 
@@ -68,6 +75,11 @@ def summary(args, records: list[StepRecord], start_iteration: int, layout: str) 
     steady = records[1:] or records
     mean_ms = sum(r.elapsed_ms for r in steady) / len(steady)
     tps = sum(r.tokens_per_second for r in steady) / len(steady)
-    return (f" training summary: {layout} | iterations {start_iteration + 1}-{records[-1].iteration} | "
+    line = (f" training summary: {layout} | iterations {start_iteration + 1}-{records[-1].iteration} | "
             f"lm loss {records[0].loss:.4f} -> {records[-1].loss:.4f} | "
             f"mean iteration {mean_ms:.1f} ms (excluding the first) | tokens per second {tps:.1f}")
+    if getattr(args, "log_tps", False):
+        per_sample = sum(r.tokens_per_sample for r in steady) / len(steady)
+        sps = sum(r.samples_per_second for r in steady) / len(steady)
+        line += f" (non-padding) | tokens per sample {per_sample:.1f} | samples per second {sps:.2f}"
+    return line

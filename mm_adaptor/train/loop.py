@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from mm_adaptor.launcher import report_progress
+from mm_adaptor.train import vlm
 from mm_adaptor.train.logs import StepRecord, describe_layout, format_iteration, print_last_rank, set_silent, summary
 
 
@@ -41,7 +42,7 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def measured_forward_step(state: RunState):
+def measured_forward_step(state: RunState, forward_step=forward_step):
     """forward_step that records saved-activation bytes per layer during its first call."""
     from mm_adaptor.memory import SavedTensorAccountant
 
@@ -159,16 +160,22 @@ def _build(args, device) -> RunState:
     init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size, args.micro_batch_size,
                                      args.data_parallel_size)
     _set_seeds(args.seed)
-    config = transformer_config(args)
     state = RunState(args=args)
-    state.model = wrap_model(args, config, build_model(args, config, device))
+    if vlm.is_vlm(args):
+        chunks = vlm.build_model(args, device, state.memory)
+        config = chunks[0].config
+    else:
+        config = transformer_config(args)
+        chunks = build_model(args, config, device)
+    state.model = wrap_model(args, config, chunks)
     state.optimizer, state.scheduler = build_optimizer(args, config, state.model)
     config.grad_scale_func = state.optimizer.scale_loss
     connect_grad_sync(args, config, state.model)
     if args.load:
         from mm_adaptor.train.checkpoint import load_checkpoint
 
-        state.iteration = load_checkpoint(state, args.load, load_optim=not args.no_load_optim)
+        state.iteration = load_checkpoint(state, args.load, load_optim=not args.no_load_optim,
+                                          load_rng=not args.no_load_rng)
         print_last_rank(f" loaded checkpoint from {args.load} at iteration {state.iteration}")
     return state
 
@@ -185,26 +192,40 @@ def _train(args, backend) -> None:
     device = backend.torch_device()  # where the model, its batches and the collectives' tensors live
     state = _build(args, device)
     recorder = Recorder(state.model) if args.dump else None
-    data = [MockBatches(args, ps.get_data_parallel_rank(), state.iteration, device) for _ in state.model]
+    if vlm.is_vlm(args):
+        data = [vlm.batches(args, ps.get_data_parallel_rank(), state.iteration, device)]
+        step_func = vlm.forward_step
+    else:
+        data = [MockBatches(args, ps.get_data_parallel_rank(), state.iteration, device) for _ in state.model]
+        step_func = forward_step
     fb = get_forward_backward_func()
     tokens_per_step = args.global_batch_size * args.seq_length
     layout = describe_layout(args)
     if not args.quiet:
         print_last_rank(f" mm-adaptor train: {layout} | device backend: {backend.describe()} | "
                         f"features: {', '.join(applied_features()) or 'none'}")
+        if state.memory.get("frozen_towers"):
+            print_last_rank(f" frozen: {', '.join(state.memory['frozen_towers'])} ({state.memory['frozen_elements']} "
+                            "parameters on the last rank): no gradient buffer, no optimizer state")
     start_iteration = state.iteration
     while state.iteration < args.train_iters:
         report_progress("training", state.iteration + 1)
         dist.barrier()
         t0 = time.perf_counter()
         measure = recorder is not None and state.iteration == start_iteration
-        loss, grad_norm = train_step(state, data, fb, measured_forward_step(state) if measure else forward_step,
+        for d in data:
+            getattr(d, "start_step", lambda: None)()
+        loss, grad_norm = train_step(state, data, fb, measured_forward_step(state, step_func) if measure else step_func,
                                      after_backward=recorder.after_backward if recorder else None)
         elapsed = time.perf_counter() - t0
         state.iteration += 1
         loss = _share_loss_from_last_stage(loss, device)
         rec = StepRecord(state.iteration, loss, grad_norm, elapsed * 1000, state.optimizer.param_groups[0]["lr"],
                          tokens_per_step / elapsed)
+        if args.log_tps:
+            tokens = _global_tokens(data[0], tokens_per_step, device)
+            rec.tokens_per_second, rec.tokens_per_sample = tokens / elapsed, tokens / args.global_batch_size
+            rec.samples_per_second = args.global_batch_size / elapsed
         state.records.append(rec)
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at iteration {state.iteration}")
@@ -220,9 +241,25 @@ def _train(args, backend) -> None:
     print_last_rank(summary(args, state.records, start_iteration, layout))
 
 
+def _global_tokens(data, tokens_per_step: int, device) -> int:
+    """Non-padding language tokens of the global batch (each rank of a model replica read the same ones)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not hasattr(data, "tokens_this_step"):
+        return tokens_per_step
+    t = torch.tensor([data.tokens_this_step], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    replica = ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
+    return int(t.item()) // replica
+
+
 def _save(state, args):
     from mm_adaptor.train.checkpoint import save_checkpoint
 
     report_progress("saving", state.iteration)
-    save_checkpoint(state, args.save)
+    save_checkpoint(state, args.save, save_optim=not args.no_save_optim, save_rng=not args.no_save_rng)
+    if vlm.is_vlm(args):
+        vlm.save_side_files(args)
     print_last_rank(f" saved checkpoint to {args.save} at iteration {state.iteration}")

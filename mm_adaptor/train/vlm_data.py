@@ -1,0 +1,128 @@
+"""Batches for the driver's VLM branch: a data set through mm_adaptor.data, or synthetic image + text samples
+(qwen2_5_vl-tiny without --data-path). Either way sample g depends only on (seed, g), so every layout sees the
+same global batch, and a resumed run continues where it stopped."""
+
+from __future__ import annotations
+
+
+class _Batches:
+    """Iterates micro-batches of this data-parallel rank from `sample_batch(global indices)`."""
+
+    def __init__(self, args, config, dp_rank: int, start_iteration: int, device):
+        self.args, self.config, self.dp_rank, self.device = args, config, dp_rank, device
+        self.iteration, self.microbatch = start_iteration, 0
+        self.tokens_this_step = 0  # non-padding language tokens this rank read in the current step
+
+    def __iter__(self):
+        return self
+
+    def start_step(self) -> None:
+        self.tokens_this_step = 0
+
+    def __next__(self):
+        a = self.args
+        base = (self.iteration * a.global_batch_size + self.microbatch * a.micro_batch_size * a.data_parallel_size
+                + self.dp_rank * a.micro_batch_size)
+        batch = self.sample_batch(list(range(base, base + a.micro_batch_size)))
+        self.microbatch += 1
+        if self.microbatch == a.num_microbatches:
+            self.microbatch, self.iteration = 0, self.iteration + 1
+        self.tokens_this_step += int(batch.pop("tokens"))
+        return {k: (v.to(self.device) if hasattr(v, "to") else v) for k, v in batch.items()}
+
+
+class SyntheticBatches(_Batches):
+    """Each sample: <vision_start> 4 image tokens (a 8x8-patch image, 16 patches) <vision_end>, then an arithmetic
+    progression over the first 32 token ids whose start and stride come from the sample. Loss on the text only."""
+
+    GRID = (1, 4, 4)
+    ALPHABET = 32
+
+    def sample(self, index: int):
+        import torch
+
+        c, length = self.config, self.args.seq_length
+        gen = torch.Generator().manual_seed(self.args.seed * 1_000_003 + index)
+        patches = self.GRID[0] * self.GRID[1] * self.GRID[2]
+        pixels = torch.randn(patches, c.patch_dim, generator=gen)
+        merged = patches // c.spatial_merge_size**2
+        start = int(torch.randint(0, self.ALPHABET, (1,), generator=gen))
+        stride = int(torch.randint(1, 8, (1,), generator=gen))
+        prompt = [c.vision_start_token_id] + [c.image_token_id] * merged + [c.vision_start_token_id + 1]
+        text = ((start + stride * torch.arange(length + 1 - len(prompt))) % self.ALPHABET).tolist()
+        seq = torch.tensor(prompt + text)
+        mask = torch.zeros(length)
+        mask[len(prompt) - 1:] = 1.0  # labels from the first text token on
+        return seq, pixels, mask
+
+    def sample_batch(self, indices):
+        import torch
+
+        from mm_adaptor.models.qwen2_5_vl import rope_index_for
+
+        seqs, pixels, masks = zip(*(self.sample(i) for i in indices))
+        seqs = torch.stack(seqs)
+        input_ids = seqs[:, :-1].contiguous()
+        grid = torch.tensor([self.GRID] * len(indices))
+        positions, _ = rope_index_for(self.config, input_ids, grid)
+        return {"input_ids": input_ids, "labels": seqs[:, 1:].contiguous(), "loss_mask": torch.stack(masks),
+                "position_ids": positions, "pixel_values": torch.cat(pixels), "image_grid_thw": grid,
+                "tokens": input_ids.numel()}
+
+
+class DatasetBatches:
+    """This DP rank's micro-batches of --data-path through mm_adaptor.data (which shards DP-independently and
+    resumes at start_iteration); counts the non-padding tokens it hands out."""
+
+    def __init__(self, args, config, dp_rank, start_iteration, device):
+        from mm_adaptor.data import build
+
+        self.device, self.tokens_this_step = device, 0
+        self.batches = build(args.data_path, tokenizer(args, config), config, args.seq_length, args.micro_batch_size,
+                             args.global_batch_size, dp_rank, args.data_parallel_size, start_iteration,
+                             seed=args.seed)
+
+    def __iter__(self):
+        return self
+
+    def start_step(self) -> None:
+        self.tokens_this_step = 0
+
+    def __next__(self):
+        batch = next(self.batches)
+        self.tokens_this_step += int(batch["num_tokens"].sum())
+        return {k: batch[k].to(self.device) if batch[k] is not None else None
+                for k in ("input_ids", "labels", "loss_mask", "position_ids", "pixel_values", "image_grid_thw")}
+
+
+def tokenizer_dir(args) -> str | None:
+    """--tokenizer-model, else --load's hf/ when it holds a tokenizer, else None (the built-in byte tokenizer)."""
+    from pathlib import Path
+
+    if args.tokenizer_model:
+        return args.tokenizer_model
+    hf = Path(args.load or "") / "hf"
+    return str(hf) if args.load and (hf / "tokenizer.json").exists() else None
+
+
+def tokenizer(args, config):
+    from mm_adaptor.data import load_tokenizer
+
+    return load_tokenizer(tokenizer_dir(args), config)
+
+
+def validate(args) -> list[str]:
+    """The data set's validation pass (images opened, tokens counted) and the tokenizer/model match: the
+    DataError's line, or nothing."""
+    from mm_adaptor.data import DataError, check_model_matches
+    from mm_adaptor.data import validate as validate_data
+    from mm_adaptor.train.vlm import model_config
+
+    try:
+        config = model_config(args)
+        tok = tokenizer(args, config)
+        check_model_matches(tok, config)
+        validate_data(args.data_path, tok, args.seq_length)
+    except DataError as exc:
+        return [f"--data-path {args.data_path}: {exc}"]
+    return []

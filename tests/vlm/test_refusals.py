@@ -1,0 +1,50 @@
+"""The VLM branch refuses, before any rank starts, in one line each: a bad data set (mm_adaptor.data's
+validation), layouts the model cannot take, and flags that need others."""
+
+import json
+
+import pytest
+
+from mm_adaptor.train import LayoutError, check_args, main, parse_args
+
+
+def _problems(*argv, nproc=2):
+    args = parse_args(["--model", "qwen2_5_vl-tiny", "--nproc-per-node", str(nproc), *argv])
+    with pytest.raises(LayoutError) as error:
+        check_args(args, nproc, check_devices=False)
+    return error.value.problems
+
+
+def test_a_bad_data_set_is_one_line_and_exit_status_2(tmp_path, capsys):
+    pytest.importorskip("PIL")
+    data = tmp_path / "bad.json"
+    data.write_text(json.dumps([{"messages": [{"role": "user", "content": "<image>hi"},
+                                              {"role": "assistant", "content": "yes"}],
+                                 "images": ["missing.png"]}]))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "qwen2_5_vl-tiny", "--data-path", str(data)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing.png does not exist" in err[0] and err[0].startswith("mm-adaptor train"), err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "virtual pipeline stages are not supported"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-layers", "1,2"], "--pipeline-layers 1,2: give 2 stages"),
+    (["--freeze-language"], "--freeze-language trains the vision encoder and projector only"),
+    (["--pipeline-model-parallel-size", "2", "--freeze-vision", "--freeze-language"], "leaves later stages"),
+])
+def test_layout_refusals(argv, message):
+    problems = _problems(*argv)
+    assert len(problems) == 1 and message in problems[0], problems
+
+
+def test_qwen2_5_vl_needs_a_converted_checkpoint():
+    problems = _problems("--model", "qwen2_5_vl")
+    assert problems == ["--model qwen2_5_vl needs --load MCORE_DIR (written by mm-adaptor convert hf-to-mcore)"]
+
+
+def test_an_uneven_pipeline_split_is_accepted():
+    args = parse_args(["--model", "qwen2_5_vl-tiny", "--pipeline-model-parallel-size", "2", "--pipeline-layers", "1,3"])
+    check_args(args, 2, check_devices=False)
