@@ -406,6 +406,8 @@ COMMANDS = {
     "convert": (_convert_main, "convert checkpoints: hf-to-mcore, mcore-to-hf (see mm-adaptor convert --help)"),
     "data": (_data_main, "training data: llava-to-messages, make-shapes, check (see mm-adaptor data --help)"),
     "schedule": (_schedule_main, "simulate pipeline schedules: step time, bubble, memory, timeline picture"),
+    "generate": (lambda argv: __import__("mm_adaptor.generate", fromlist=["main"]).main(argv),
+                 "greedy decoding with a Qwen2.5-VL checkpoint (see mm-adaptor generate --help)"),
 }
 
 
