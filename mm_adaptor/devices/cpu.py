@@ -1,4 +1,4 @@
-"""CPU backend: megatron-core's CUDA assumptions redirected to the CPU, NCCL to gloo.
+"""CPU backend: megatron-core's CUDA assumptions redirected to the CPU (devices/redirect.py), NCCL to gloo.
 
 What it changes, and nothing more:
 - `torch.cuda` calls megatron makes (current device, RNG state, streams, events, synchronize,
@@ -28,68 +28,14 @@ import time
 import types
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from mm_adaptor.devices.base import DeviceBackend, NoAcceleratorError
+from mm_adaptor.devices.redirect import (RedirectMode, Target, distinct, names_nccl, new_group_request,
+                                          process_group_request, rng_state_patches)
 from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
 CPU = torch.device("cpu")
 CPU_ONLY = "the CPU backend only"
-
-
-def _is_cuda_device(dev) -> bool:
-    if isinstance(dev, str):
-        return dev.startswith("cuda")
-    if isinstance(dev, torch.device):
-        return dev.type == "cuda"
-    return isinstance(dev, int) and not isinstance(dev, bool)
-
-
-_CPU_TYPE_TO_CUDA = {
-    "torch.FloatTensor": "torch.cuda.FloatTensor",
-    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
-    "torch.HalfTensor": "torch.cuda.HalfTensor",
-    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
-    "torch.ByteTensor": "torch.cuda.ByteTensor",
-    "torch.CharTensor": "torch.cuda.CharTensor",
-    "torch.ShortTensor": "torch.cuda.ShortTensor",
-    "torch.IntTensor": "torch.cuda.IntTensor",
-    "torch.LongTensor": "torch.cuda.LongTensor",
-    "torch.BoolTensor": "torch.cuda.BoolTensor",
-}
-_CUDA_TYPE_TO_CPU = {v: k for k, v in _CPU_TYPE_TO_CUDA.items()}
-
-
-def _tensor_to(func, args, kwargs):
-    if len(args) > 1 and _is_cuda_device(args[1]):
-        args = (args[0], CPU, *args[2:])
-    if _is_cuda_device(kwargs.get("device")):
-        kwargs["device"] = CPU
-    return func(*args, **kwargs)
-
-
-def _tensor_type(func, args, kwargs):
-    if len(args) == 1 and not kwargs:
-        name = func(*args)
-        return _CPU_TYPE_TO_CUDA.get(name, name)
-    dtype = args[1] if len(args) > 1 else kwargs.pop("dtype", None)
-    if isinstance(dtype, str):
-        dtype = _CUDA_TYPE_TO_CPU.get(dtype, dtype)
-    return func(args[0], dtype, **kwargs)
-
-
-def _device_ctor(func, args, kwargs):
-    if args and _is_cuda_device(args[0]) and not isinstance(args[0], int):
-        return CPU
-    return func(*args, **kwargs)
-
-
-def _returns_self(func, args, kwargs):
-    return args[0]
-
-
-def _returns_none(func, args, kwargs):
-    return None
 
 
 class _Completed:
@@ -159,71 +105,16 @@ def _isend_a_copy(func, args, kwargs):
     return func(*args, **kwargs)
 
 
-_SPECIAL = {
+# gloo's gaps megatron runs into, handled before the shared redirection (CPU backend only).
+GLOO_SPECIALS = {
     torch.distributed.isend: _isend_a_copy,
     torch.distributed.all_gather: _all_gather_uneven,
     torch.distributed.reduce_scatter: _reduce_scatter_list,
-    torch.device: _device_ctor,
-    torch.Tensor.to: _tensor_to,
-    torch.Tensor.type: _tensor_type,
-    torch.Tensor.cuda: _returns_self,
-    torch.Tensor.pin_memory: _returns_self,
-    torch.Tensor.record_stream: _returns_none,
 }
 
 
-_BACKWARD_ARGUMENTS = {
-    torch.autograd.backward: ("tensors", "grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs"),
-    torch.Tensor.backward: ("tensors", "grad_tensors", "retain_graph", "create_graph", "inputs"),
-}
-
-
-def _backward_keeping_mode(mode, func, args, kwargs):
-    """A mode is off while it handles a call, and the autograd engine runs a graph under the modes active when it
-    starts: a backward started through dispatch (megatron's activation recompute calls torch.autograd.backward
-    inside its own backward) would run without this one. So the engine is started directly with the mode on, as
-    megatron's custom_backward does; unusual arguments keep torch's own path."""
-    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
-    from torch.autograd.graph import _engine_run_backward
-
-    bound = dict(zip(_BACKWARD_ARGUMENTS[func], args))
-    bound.update(kwargs)
-    if "gradient" in bound:
-        bound["grad_tensors"] = bound.pop("gradient")
-    tensors, inputs = bound.get("tensors"), bound.get("inputs")
-    plain = lambda x: isinstance(x, torch.Tensor) or (  # noqa: E731
-        isinstance(x, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in x))
-    if bound.get("grad_variables") is not None or not plain(tensors) or (inputs is not None and not plain(inputs)):
-        return func(*args, **kwargs)
-    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
-    inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(bound.get("grad_tensors"), len(tensors)),
-                        is_grads_batched=False)
-    create_graph = bool(bound.get("create_graph", False))
-    retain_graph = bound.get("retain_graph")
-    with mode:
-        _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph,
-                             inputs, allow_unreachable=True, accumulate_grad=True)
-
-
-class CudaToCpuMode(TorchFunctionMode):
-    """Maps CUDA device arguments to the CPU for every torch call made while installed."""
-
-    def __torch_function__(self, func, types_, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
-        if func in _BACKWARD_ARGUMENTS:
-            return _backward_keeping_mode(self, func, args, kwargs)
-        special = _SPECIAL.get(func)
-        if special is not None:
-            return special(func, args, kwargs)
-        if kwargs:
-            device = kwargs.get("device")
-            if device is not None and _is_cuda_device(device):
-                kwargs["device"] = CPU
-            if kwargs.get("pin_memory"):
-                kwargs["pin_memory"] = False
-        return func(*args, **kwargs)
+def cpu_target() -> Target:
+    return Target("cpu", host_only=True, specials=GLOO_SPECIALS)
 
 
 class CpuStream:
@@ -330,26 +221,6 @@ def _manual_seed(seed):
     torch.default_generator.manual_seed(int(seed))
 
 
-def _megatron_get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
-    if graph_safe:
-        raise RuntimeError("CUDA-graph-safe RNG state is not available on the CPU backend")
-    return torch.get_rng_state()
-
-
-def _megatron_set_cuda_rng_state(new_state, device=-1, graph_safe=False):
-    if graph_safe:
-        raise RuntimeError("CUDA-graph-safe RNG state is not available on the CPU backend")
-    torch.set_rng_state(new_state)
-
-
-def _names_nccl(backend) -> bool:
-    return backend is not None and "nccl" in str(backend).lower()
-
-
-def _to_gloo(backend):
-    return "gloo" if _names_nccl(backend) else backend
-
-
 def _default_group_is_gloo() -> bool:
     import torch.distributed as dist
 
@@ -391,17 +262,6 @@ class _CpuStreamContext(contextlib.nullcontext):
 # What the CPU backend hands out for side streams and events (see DeviceBackend.stream_module).
 CPU_STREAMS = types.SimpleNamespace(Stream=CpuStream, Event=CpuEvent, stream=_CpuStreamContext,
                                     current_stream=lambda device=None: _DEFAULT_STREAM)
-
-
-def _distinct(obj, target: str):
-    """A separate function object per target: torch._dynamo keys its rules by object identity."""
-    if isinstance(obj, types.FunctionType):
-        fn = types.FunctionType(obj.__code__, obj.__globals__, target.rsplit(".", 1)[-1], obj.__defaults__,
-                                obj.__closure__)
-        fn.__kwdefaults__ = obj.__kwdefaults__
-        fn.__qualname__ = f"cpu_backend.{target}"
-        return fn
-    return obj
 
 
 def _torch_cuda_patches() -> PatchSet:
@@ -449,7 +309,7 @@ def _torch_cuda_patches() -> PatchSet:
         "torch.cuda.nvtx.range": _null_context,
     }
     for target, new in replacements.items():
-        ps.replace(target, _distinct(new, target), contract=torch_versions)
+        ps.replace(target, distinct(new, target, "cpu_backend"), contract=torch_versions)
     return ps
 
 
@@ -463,16 +323,7 @@ def _megatron_core_patches() -> PatchSet:
     # MoE's all-to-all split sizes are host tensors here; megatron converts them to numpy only from CUDA.
     ps.replace("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu", _move_split_sizes_to_host,
                contract=Contract(versions=SUPPORTED_MEGATRON_CORE))
-    ps.replace(
-        "megatron.core.tensor_parallel.random._get_cuda_rng_state",
-        _megatron_get_cuda_rng_state,
-        contract=Contract(versions=SUPPORTED_MEGATRON_CORE),
-    )
-    ps.replace(
-        "megatron.core.tensor_parallel.random._set_cuda_rng_state",
-        _megatron_set_cuda_rng_state,
-        contract=Contract(versions=SUPPORTED_MEGATRON_CORE),
-    )
+    rng_state_patches(ps, torch.get_rng_state, torch.set_rng_state, "the CPU backend")
     return ps
 
 
@@ -482,7 +333,7 @@ class CpuBackend(DeviceBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        self._mode: CudaToCpuMode | None = None
+        self._mode: RedirectMode | None = None
         self._saved_env: dict[str, str | None] = {}
 
     pins_host_memory = False  # the "host" copy is another CPU buffer: nothing to pin
@@ -510,7 +361,7 @@ class CpuBackend(DeviceBackend):
         return ps
 
     def check_distributed_backend(self, requested, *, asked_by: str, how_to_choose_cpu: str) -> None:
-        if not self.chosen_automatically or not _names_nccl(requested):
+        if not self.chosen_automatically or not names_nccl(requested):
             return
         raise NoAcceleratorError(
             f"{asked_by} asks for NVIDIA GPUs, but torch sees no CUDA device, so the CPU backend was chosen only "
@@ -518,29 +369,18 @@ class CpuBackend(DeviceBackend):
             "MM_ADAPTOR_DEVICE=cpu (otherwise check the GPU driver, e.g. with nvidia-smi)")
 
     def _init_process_group_on_gloo(self, wrapped, instance, args, kwargs):
-        if args:
-            kwargs["backend"], args = args[0], args[1:]
-        requested = kwargs.get("backend")
+        requested = (args[0] if args else kwargs.get("backend"))
         self.check_distributed_backend(requested, how_to_choose_cpu="use backend='gloo'",
                                        asked_by=f"torch.distributed.init_process_group(backend={requested!r})")
-        kwargs["backend"] = _to_gloo(requested) or "gloo"
-        kwargs.pop("device_id", None)
+        _, args, kwargs = process_group_request(args, kwargs, "gloo")
         return wrapped(*args, **kwargs)
 
     def _new_group_on_gloo(self, wrapped, instance, args, kwargs):
         requested = args[2] if len(args) >= 3 else kwargs.get("backend")
-        if _names_nccl(requested) and not _default_group_is_gloo():
+        if names_nccl(requested) and not _default_group_is_gloo():
             self.check_distributed_backend(requested, asked_by=f"torch.distributed.new_group(backend={requested!r})",
                                            how_to_choose_cpu="use backend='gloo'")
-        if len(args) >= 3:
-            args = list(args)
-            args[2] = _to_gloo(args[2])
-            if len(args) >= 4:
-                args[3] = None
-        if "backend" in kwargs:
-            kwargs["backend"] = _to_gloo(kwargs["backend"])
-        if kwargs.get("pg_options") is not None and (kwargs.get("backend") in (None, "gloo")):
-            kwargs["pg_options"] = None
+        _, args, kwargs = new_group_request(args, kwargs, "gloo")
         return wrapped(*args, **kwargs)
 
     def training_patch_sets(self):
@@ -560,7 +400,7 @@ class CpuBackend(DeviceBackend):
         self._saved_env = {k: os.environ.get(k) for k in CPU_ENV}
         for key, value in CPU_ENV.items():
             os.environ.setdefault(key, value)
-        self._mode = CudaToCpuMode()
+        self._mode = RedirectMode(cpu_target())
         self._mode.__enter__()
 
     def _deactivate(self) -> None:

@@ -1,58 +1,182 @@
-"""Ascend NPU backend through torch_npu: torch.cuda calls redirected to torch.npu, NCCL to HCCL.
+"""Ascend NPU backend through torch_npu: megatron's CUDA assumptions redirected to `npu` by the shared
+interception layer (devices/redirect.py), NCCL to HCCL.
 
-A code path only: it has not been run on NPU hardware (`mm-adaptor report` says so).
+What it changes:
+- the torch.cuda calls megatron makes (devices, RNG state, streams, events, memory statistics) go to torch.npu;
+  `torch.cuda.is_available()` stays as torch answers it, so torch's own internals keep their paths;
+- device arguments naming CUDA, `.cuda()`, `is_cuda` and the CUDA type names, through the shared torch function mode;
+- megatron's CUDA RNG-state helpers read and write torch.npu's generator (megatron's own setter queues a
+  torch.cuda lazy call that never runs on a CPU build of torch: TP ranks would draw different numbers);
+- NCCL process groups (default or new_group) become HCCL, NCCL options dropped; float64 all-reduces, which HCCL
+  refuses, run as an all-gather of their bits reduced locally in float64;
+- megatron's torch.compile fuser is off (torch._dynamo disabled: no NPU compiler backend is assumed);
+- Megatron-LM: its CUDA check, fused-kernel build and dependency compilation are skipped, its signal handler's
+  device is the NPU, CUDA_DEVICE_MAX_CONNECTIONS=1.
+Run on the FAKE npu device in CI (tests/fake_npu); what only Ascend hardware can show: `mm-adaptor report`.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mm_adaptor.devices.base import DeviceBackend
-from mm_adaptor.patching import Contract, PatchSet
+from mm_adaptor.devices.redirect import (RedirectMode, Target, new_group_request, process_group_request,
+                                         rng_state_patches)
+from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
+NPU_ONLY = "the NPU backend only"
 REDIRECTED = (
     "current_device", "set_device", "device_count", "synchronize", "empty_cache", "get_rng_state",
-    "set_rng_state", "manual_seed", "manual_seed_all", "Stream", "Event", "current_stream", "default_stream",
-    "set_stream", "stream", "device", "memory_allocated", "max_memory_allocated", "memory_reserved",
-    "max_memory_reserved", "reset_peak_memory_stats", "memory_stats", "get_device_properties",
-    "get_device_name", "is_available",
+    "set_rng_state", "manual_seed", "manual_seed_all", "default_generators", "Stream", "Event", "current_stream",
+    "default_stream", "set_stream", "stream", "device", "memory_allocated", "max_memory_allocated",
+    "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats", "reset_max_memory_allocated",
+    "memory_stats", "get_device_properties", "get_device_name", "get_device_capability", "_lazy_call",
 )
+NPU_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
-def _to_hccl(wrapped, instance, args, kwargs):
-    if args:
-        kwargs["backend"], args = args[0], args[1:]
-    backend = kwargs.get("backend")
-    if backend is None or "nccl" in str(backend).lower():
-        kwargs["backend"] = "hccl"
+def _npu_target() -> Target:
+    return Target("npu", current_index=lambda: torch.npu.current_device(),
+                  specials={torch.distributed.all_reduce: _all_reduce_fp64_as_bits})
+
+
+def _on_hccl(group) -> bool:
+    import torch.distributed as dist
+
+    return dist.get_backend(group) == "hccl"
+
+
+FP64_ALL_REDUCES = {"count": 0}  # how many float64 all-reduces took the bits path (tests assert it ran)
+
+
+def _all_reduce_fp64_as_bits(func, args, kwargs):
+    """HCCL has no float64 collectives: gather every rank's float64 bits (as int32 pairs) and reduce them here."""
+    import torch.distributed as dist
+
+    bound = dict(zip(("tensor", "op", "group", "async_op"), args), **kwargs)
+    tensor, group = bound["tensor"], bound.get("group")
+    op = bound.get("op", dist.ReduceOp.SUM)
+    if tensor.dtype != torch.float64 or not _on_hccl(group) or bound.get("async_op"):
+        return func(*args, **kwargs)
+    reducers = {dist.ReduceOp.SUM: torch.sum, dist.ReduceOp.MAX: torch.amax, dist.ReduceOp.MIN: torch.amin,
+                dist.ReduceOp.PRODUCT: torch.prod}
+    if op not in reducers:
+        return func(*args, **kwargs)
+    FP64_ALL_REDUCES["count"] += 1
+    bits = tensor.detach().contiguous().view(torch.int32).reshape(-1)
+    gathered = bits.new_empty(dist.get_world_size(group) * bits.numel())
+    dist.all_gather_into_tensor(gathered, bits, group=group)
+    values = gathered.view(torch.float64).reshape(-1, *tensor.shape)
+    tensor.copy_(reducers[op](values, dim=0))
+    return None
+
+
+def _signal_handler_device(local_rank=None):
+    index = torch.npu.current_device() if local_rank is None else int(local_rank)
+    return torch.device("npu", index)
+
+
+def _skip(*_args, **_kwargs):
+    return None
+
+
+def _allow_no_cuda(wrapped, instance, args, kwargs):
+    kwargs["allow_no_cuda"] = True
     return wrapped(*args, **kwargs)
+
+
+def _npu():
+    """torch.npu, which exists once torch_npu is imported."""
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError("the npu backend needs torch_npu (pip install torch-npu matching your torch)") from exc
+    return torch.npu
 
 
 class NpuBackend(DeviceBackend):
     name = "npu"
     dist_backend = "hccl"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._mode: RedirectMode | None = None
+        self._saved_env: dict[str, str | None] = {}
+
     def torch_device(self) -> torch.device:
-        return torch.device("npu", torch.npu.current_device())
+        return torch.device("npu", _npu().current_device())
 
     def set_local_device(self, local_rank: int) -> None:
-        torch.npu.set_device(local_rank % torch.npu.device_count())
+        _npu().set_device(local_rank % _npu().device_count())
 
     def devices_per_node(self) -> int:
-        return torch.npu.device_count()
+        return _npu().device_count()
 
     def stream_module(self):
-        return torch.npu
+        return _npu()
 
     def device_patch_sets(self):
-        try:
-            import torch_npu  # noqa: F401
-        except ImportError as exc:
-            raise RuntimeError("the npu backend needs torch_npu (pip install torch-npu matching your torch)") from exc
-        contract = Contract(versions=">=2.1", package="torch")
-        ps = PatchSet("device:npu")
+        _npu()
+        torch_versions = Contract(versions=">=2.1", package="torch")
+        calls = PatchSet("device:npu", needed_on=NPU_ONLY,
+                         changes="the torch.cuda calls megatron makes go to torch.npu; torch._dynamo is disabled "
+                                 "(megatron's torch.compile fuser has no NPU compiler backend here)",
+                         unpatched="'Torch not compiled with CUDA enabled' from megatron's torch.cuda calls")
         for name in REDIRECTED:
             if hasattr(torch.npu, name):
-                ps.replace(f"torch.cuda.{name}", getattr(torch.npu, name), contract=contract)
-        ps.wrap("torch.distributed.distributed_c10d.init_process_group", _to_hccl, contract=contract)
+                calls.replace(f"torch.cuda.{name}", getattr(torch.npu, name), contract=torch_versions)
+        calls.replace("torch._dynamo.config.disable", True, contract=torch_versions)
+        groups = PatchSet("device:npu:process-groups", needed_on=NPU_ONLY,
+                          changes="NCCL process groups (the default one and new_group's) become HCCL",
+                          unpatched="megatron's new_group(backend='nccl') fails on an NPU machine")
+        groups.wrap("torch.distributed.distributed_c10d.init_process_group", _init_process_group_on_hccl,
+                    contract=torch_versions)
+        groups.wrap("torch.distributed.distributed_c10d.new_group", _new_group_on_hccl, contract=torch_versions)
+        core = PatchSet("device:npu:megatron-core", needed_on=NPU_ONLY,
+                        changes="megatron's CUDA RNG-state helpers use torch.npu's generator",
+                        unpatched="megatron's RNG setter queues a torch.cuda lazy call that never runs: TP ranks "
+                                  "draw different dropout masks and the RNG tracker does not restore states")
+        rng_state_patches(core, lambda: torch.npu.get_rng_state(), lambda s: torch.npu.set_rng_state(s),
+                          "the NPU backend")
+        return [calls, groups, core]
+
+    def training_patch_sets(self):
+        ps = PatchSet("device:npu:megatron-training", needed_on=NPU_ONLY,
+                      changes="Megatron-LM's CUDA check, fused CUDA kernel build and dependency compilation are "
+                              "skipped; its signal handler's device is the NPU",
+                      unpatched="initialize_megatron asserts 'Megatron requires CUDA.' and builds CUDA kernels")
+        contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
+        ps.wrap("megatron.training.initialize.initialize_megatron", _allow_no_cuda, contract=contract)
+        ps.replace("megatron.training.initialize._compile_dependencies", _skip, contract=contract)
+        ps.replace("megatron.legacy.fused_kernels.load", _skip, contract=contract)
+        ps.replace("megatron.training.dist_signal_handler.get_device", _signal_handler_device, contract=contract)
         return [ps]
+
+    def _activate(self) -> None:
+        self._saved_env = {k: os.environ.get(k) for k in NPU_ENV}
+        for key, value in NPU_ENV.items():
+            os.environ.setdefault(key, value)
+        self._mode = RedirectMode(_npu_target())
+        self._mode.__enter__()
+
+    def _deactivate(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _init_process_group_on_hccl(wrapped, instance, args, kwargs):
+    _, args, kwargs = process_group_request(args, kwargs, "hccl")
+    return wrapped(*args, **kwargs)
+
+
+def _new_group_on_hccl(wrapped, instance, args, kwargs):
+    _, args, kwargs = new_group_request(args, kwargs, "hccl")
+    return wrapped(*args, **kwargs)

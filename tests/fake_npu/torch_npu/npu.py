@@ -79,12 +79,13 @@ def empty_cache() -> None:
     pass
 
 
-class Stream:
+class Stream(torch.Stream):
     """A stream of the fake device: work runs as it is issued."""
 
+    def __new__(cls, device=None, priority=0, **_kwargs):
+        return super().__new__(cls, device=torch.device("npu", _index(device)), priority=priority)
+
     def __init__(self, device=None, priority=0, **_kwargs):
-        self.device = torch.device("npu", _index(device))
-        self.priority = priority
         self.npu_stream = 0
 
     def wait_stream(self, stream):

@@ -73,6 +73,9 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
   c10::Stream exchangeStream(c10::Stream s) const noexcept override {
     return c10::Stream(c10::Stream::DEFAULT, s.device());
   }
+  c10::Stream getNewStream(c10::Device d, int) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override {}
   c10::DeviceIndex deviceCount() const noexcept override { return g_device_count.load(); }
 };
 C10_REGISTER_GUARD_IMPL(PrivateUse1, Guard);
@@ -125,6 +128,16 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   return copy_from(self, dst, false);
 }
 
+// Module.to('npu') keeps its Parameter objects (and megatron's attributes on them) only if CPU and npu tensors
+// may share a TensorImpl type, as torch_npu declares for its own device.
+bool compatible_shallow_copy(const at::Tensor& self, const at::Tensor& from) {
+  auto dense = [](const at::Tensor& t) { return t.layout() == at::kStrided && (t.is_cpu() || t.is_privateuseone()); };
+  return dense(self) && dense(from);
+}
+
+// Work on the fake device is synchronous: no stream can still be using a tensor.
+void record_stream(at::Tensor&, c10::Stream) {}
+
 void fallback_to_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   at::native::cpu_fallback(op, stack);
 }
@@ -170,6 +183,8 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage_storage_offset", &at::native::set_storage_cpu_);
   m.impl("_copy_from", &fake_npu::copy_from);
   m.impl("_copy_from_and_resize", &fake_npu::copy_from_and_resize);
+  m.impl("record_stream", &fake_npu::record_stream);
+  m.impl("_has_compatible_shallow_copy_type", &fake_npu::compatible_shallow_copy);
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
