@@ -26,6 +26,10 @@ def check_args(args: argparse.Namespace, world_size: int, *, check_devices: bool
     from mm_adaptor.train.arguments import check_paths
 
     finalize_args(argparse.Namespace(**vars(args)), world_size)
+    from mm_adaptor.train import vlm
+
+    if vlm.is_vlm(args):
+        vlm.shape_args(args)  # the features check the model's shape (RMSNorm, SwiGLU, rope)
     options = features.fill_defaults(args)
     features.validate(options, features.serving(options, features.enabled_features(options)))
     check_paths(args)
