@@ -32,6 +32,10 @@ from torch_npu.ops import *  # noqa: E402,F401,F403
 _random.register()
 hccl.register()
 
+from torch_npu import _probe  # noqa: E402
+
+_probe.install()
+
 
 def report() -> str:
     return ("FAKE torch_npu (tests only, not Ascend hardware): PrivateUse1 device 'npu' on host memory, "

@@ -1,0 +1,87 @@
+"""`mm-adaptor train` on the FAKE npu device prints the CPU backend's losses digit for digit, keeps every tensor on
+`npu`, leaves no torch.cuda lazy call queued, and draws dropout masks from the npu generator the way megatron's
+RNG tracker means (TP ranks agree on replicated activations; full recompute reproduces the masks). The broken
+variants (RNG redirect removed; device='cuda' left unmapped) must fail these checks."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.npu.fake import run_python
+
+pytestmark = pytest.mark.npu
+
+TP2_SP = ["--num-layers", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+TP2_DROPOUT = ["--num-layers", "2", "--tensor-model-parallel-size", "2", "--hidden-dropout", "0.1",
+               "--attention-dropout", "0.1"]
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+SPECS = {
+    "cpu": {"device": "cpu", "args": TP2_SP},
+    "npu": {"device": "npu", "args": TP2_SP},
+    # Dropout is checked on the npu against itself: the CPU backend's masks share torch's CPU generator with the
+    # host-side initialisation, a device's (CUDA's or the NPU's) do not.
+    "npu_dropout": {"device": "npu", "args": TP2_DROPOUT},
+    "npu_dropout_recompute": {"device": "npu", "args": [*TP2_DROPOUT, *RECOMPUTE]},
+    "npu_broken_rng": {"device": "npu", "args": TP2_DROPOUT, "break": "rng"},
+    "npu_broken_device": {"device": "npu", "args": TP2_SP, "break": "device", "iters": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    script = Path(__file__).with_name("train_runs.py")
+    source = (f"import runpy, sys; sys.argv = [{str(script)!r}, {json.dumps(json.dumps(list(SPECS.values())))}]; "
+              f"sys.path.insert(0, {str(Path(__file__).parents[2])!r}); runpy.run_path(sys.argv[0], run_name='__main__')")
+    results = run_python(source, timeout=900)
+    return dict(zip(SPECS, results))
+
+
+def test_tp2_sp_gives_the_cpu_backends_losses_digit_for_digit(runs):
+    cpu, npu = runs["cpu"], runs["npu"]
+    assert "error" not in npu, npu.get("error")
+    # the printed loss lines: lm loss as %E, grad norm to 3 decimals (torch's Adam takes its foreach path on a
+    # device and its per-tensor path on the CPU, so the unprinted digits of later steps may differ)
+    assert [[f"{x:E}" for x in r] for r in npu["losses"]] == [[f"{x:E}" for x in r] for r in cpu["losses"]]
+    assert [[f"{x:.3f}" for x in r] for r in npu["grad_norms"]] == [[f"{x:.3f}" for x in r] for r in cpu["grad_norms"]]
+    assert npu["losses"][0][0] == cpu["losses"][0][0] and npu["grad_norms"][0][0] == cpu["grad_norms"][0][0]
+    assert npu["losses"][0][-1] < npu["losses"][0][0]
+
+
+def test_every_tensor_lives_on_npu_and_no_cuda_lazy_call_is_queued(runs):
+    for name in ("npu", "npu_dropout"):
+        probes = runs[name]["probe"]
+        assert sorted(probes) == ["rank0.json", "rank1.json"]
+        for probe in probes.values():
+            assert probe["model_param_count"] > 0 and probe["optimizer_state_count"] > 0
+            for kind in ("optimizer_params", "model_params", "grads", "optimizer_states"):
+                assert probe[kind] == ["npu"], (name, kind, probe[kind])
+            assert probe["buffers"] in ([], ["npu"])
+            assert probe["queued_cuda_lazy_calls"] == [], probe["queued_cuda_lazy_calls"]
+            assert probe["hccl_calls"].get("allreduce", 0) > 0  # TP all-reduces ran on the fake HCCL
+    assert all(p["draws"].get("native_dropout", 0) > 0 for p in runs["npu_dropout"]["probe"].values())
+
+
+def test_tp_ranks_agree_on_replicated_activations_under_dropout(runs):
+    same = runs["npu_dropout"]["layer_outputs_equal_across_ranks"]
+    assert same and all(same.values()), same
+
+
+def test_full_recompute_reproduces_the_dropout_masks(runs):
+    # the losses bit for bit; the gradient norms to float32 rounding (recompute sums in another order), where
+    # one different mask would move them by about 1e-2
+    assert runs["npu_dropout_recompute"]["losses"] == runs["npu_dropout"]["losses"]
+    recomputed, plain = runs["npu_dropout_recompute"]["grad_norms"][0], runs["npu_dropout"]["grad_norms"][0]
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(recomputed, plain)), (recomputed, plain)
+
+
+def test_broken_rng_redirect_is_caught(runs):
+    broken, good = runs["npu_broken_rng"], runs["npu_dropout"]
+    assert "error" not in broken, broken.get("error")
+    assert any(p["queued_cuda_lazy_calls"] for p in broken["probe"].values())
+    assert broken["losses"] != good["losses"]
+
+
+def test_unmapped_cuda_device_argument_is_caught(runs):
+    assert "CUDA" in runs["npu_broken_device"].get("error", ""), runs["npu_broken_device"]
