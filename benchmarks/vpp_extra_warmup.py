@@ -77,6 +77,8 @@ def main(argv=None) -> dict:
         results[name] = (off, on, plain_ms, extra_ms, extra_peak, stats["peak micro-batches in flight"])
         print(f"| {name} | {off:.1f} | {on:.1f} | {off / on:.3f}x | {plain_ms:.1f} / {extra_ms:.1f} | "
               f"{plain_peak} and {extra_peak} / {stats['peak micro-batches in flight']} |", flush=True)
+    if results:
+        print(f"# the prediction's chunk times were measured with: {stats['chunk times measured with']}")
     return results
 
 

@@ -213,3 +213,4 @@ def test_vpp_extra_warmup_benchmark_prints_both_schedules():
     assert predicted_plain > 0 and predicted_extra > 0, stdout
     # 4 micro-batches x 2 chunks: megatron's first stage warms up with 4, holds 5; with one extra 6 (observed too)
     assert rows[0][5] == "5 and 6 / 6", stdout
+    assert "measured with: host clock" in stdout, "the CPU backend's chunk times are host-side and must say so"
