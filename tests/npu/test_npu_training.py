@@ -17,9 +17,16 @@ TP2_SP = ["--num-layers", "2", "--tensor-model-parallel-size", "2", "--sequence-
 TP2_DROPOUT = ["--num-layers", "2", "--tensor-model-parallel-size", "2", "--hidden-dropout", "0.1",
                "--attention-dropout", "0.1"]
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+LAYOUTS = {
+    "pp2": ["--num-layers", "2", "--pipeline-model-parallel-size", "2"],
+    "dp2_distopt": ["--num-layers", "2", "--use-distributed-optimizer", "--overlap-grad-reduce"],
+    "ep2_moe": ["--num-layers", "2", "--num-experts", "4", "--expert-model-parallel-size", "2"],
+}
 SPECS = {
     "cpu": {"device": "cpu", "args": TP2_SP},
     "npu": {"device": "npu", "args": TP2_SP},
+    **{f"cpu_{name}": {"device": "cpu", "args": args} for name, args in LAYOUTS.items()},
+    **{f"npu_{name}": {"device": "npu", "args": args} for name, args in LAYOUTS.items()},
     # Dropout is checked on the npu against itself: the CPU backend's masks share torch's CPU generator with the
     # host-side initialisation, a device's (CUDA's or the NPU's) do not.
     "npu_dropout": {"device": "npu", "args": TP2_DROPOUT},
@@ -49,8 +56,28 @@ def test_tp2_sp_gives_the_cpu_backends_losses_digit_for_digit(runs):
     assert npu["losses"][0][-1] < npu["losses"][0][0]
 
 
+def _printed(run):
+    return ([[f"{x:E}" for x in r] for r in run["losses"]], [[f"{x:.3f}" for x in r] for r in run["grad_norms"]])
+
+
+def test_pp2_gives_the_cpu_backends_loss_lines(runs):
+    assert "error" not in runs["npu_pp2"], runs["npu_pp2"].get("error")
+    assert _printed(runs["npu_pp2"]) == _printed(runs["cpu_pp2"])
+    assert runs["npu_pp2"]["losses"][0][0] == runs["cpu_pp2"]["losses"][0][0]
+
+
+@pytest.mark.parametrize("layout", ["dp2_distopt", "ep2_moe"])
+def test_layout_follows_the_cpu_backends_losses(runs, layout):
+    """Not yet digit for digit: the first step's loss differs from the CPU backend's in about the 7th significant
+    digit (cause not found yet); the whole run stays within 1e-6 relative."""
+    cpu, npu = runs[f"cpu_{layout}"], runs[f"npu_{layout}"]
+    assert "error" not in npu, npu.get("error")
+    for ours, theirs in zip(npu["losses"][0] + npu["grad_norms"][0], cpu["losses"][0] + cpu["grad_norms"][0]):
+        assert abs(ours - theirs) <= 1e-6 * abs(theirs), (npu["losses"], cpu["losses"])
+
+
 def test_every_tensor_lives_on_npu_and_no_cuda_lazy_call_is_queued(runs):
-    for name in ("npu", "npu_dropout"):
+    for name in ("npu", "npu_dropout", *(f"npu_{layout}" for layout in LAYOUTS)):
         probes = runs[name]["probe"]
         assert sorted(probes) == ["rank0.json", "rank1.json"]
         for probe in probes.values():

@@ -25,7 +25,7 @@ def one(spec: dict) -> dict:
         ranks = train.run(train.parse_args(argv)).ranks
     except Exception as exc:  # the broken variants must fail somewhere: say where
         return {"error": f"{type(exc).__name__}: {str(exc)[-2000:]}"}
-    layers = sorted(k for k in ranks[0].activations if k.endswith(".output"))
+    layers = sorted(k for k in ranks[0].activations if k.endswith(".output") and k in ranks[1].activations)
     same = {k: torch.equal(ranks[0].activations[k], ranks[1].activations[k]) for k in layers}
     probes = {}
     for name in sorted(os.listdir(probe)):

@@ -34,7 +34,7 @@ class _CopyBack(dist.Work):
             self._work.wait()
             for device_tensor, host in self._pairs:
                 if device_tensor is not host:
-                    device_tensor.copy_(host)
+                    device_tensor.detach().copy_(host)
             self._done = True
         return True
 
@@ -46,6 +46,22 @@ class _CopyBack(dist.Work):
         fut = torch.futures.Future()
         fut.set_result([t for t, _ in self._pairs])
         return fut
+
+
+class _All(dist.Work):
+    """The works of a coalesced call, run one collective after another."""
+
+    def __init__(self, works):
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout=None):
+        for work in self._works:
+            work.wait()
+        return True
+
+    def is_completed(self):
+        return all(work.is_completed() for work in self._works)
 
 
 class FakeHccl(dist.ProcessGroup):
@@ -105,6 +121,15 @@ class FakeHccl(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors, opts):
         return self._run("allreduce_coalesced", tensors, tensors,
                          lambda h: self._gloo.allreduce_coalesced([h(t) for t in tensors], opts))
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
+        return _All([self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)])
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts):
+        return _All([self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)])
+
+    def allgather_coalesced(self, output_lists, inputs, opts):
+        return _All([self.allgather([outs], [i], opts) for outs, i in zip(output_lists, inputs)])
 
     def send(self, tensors, dst, tag):
         return self._run("send", tensors, [], lambda h: self._gloo.send([h(t) for t in tensors], dst, tag))
