@@ -205,8 +205,10 @@ def _train(args, backend) -> None:
         print_last_rank(f" mm-adaptor train: {layout} | device backend: {backend.describe()} | "
                         f"features: {', '.join(applied_features()) or 'none'}")
         if state.memory.get("frozen_towers"):
-            print_last_rank(f" frozen: {', '.join(state.memory['frozen_towers'])} ({state.memory['frozen_elements']} "
-                            "parameters on the last rank): no gradient buffer, no optimizer state")
+            count = state.memory["frozen_elements"]
+            where = f"{count} parameters on the last rank" if count else "held by earlier pipeline stages"
+            print_last_rank(f" frozen: {', '.join(state.memory['frozen_towers'])} ({where}): no gradient buffer, "
+                            "no optimizer state")
     start_iteration = state.iteration
     while state.iteration < args.train_iters:
         report_progress("training", state.iteration + 1)
