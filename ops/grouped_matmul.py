@@ -42,10 +42,14 @@ def fake_bwd(dy, x, weights, tokens_per_expert):
 
 
 def npu_fwd(x, weights, tokens_per_expert):
+    """torch_npu documents one 3-D weight only with a tensor group_list and group_type=0; MindSpeed's convention,
+    an int64 tensor of counts (group_list_type=1), takes zero-token experts and a single local expert, which a
+    Python list (strictly increasing, length != 1) would refuse."""
     import torch_npu
 
-    return torch_npu.npu_grouped_matmul([x], [weights], group_list=tokens_per_expert.cumsum(0).tolist(),
-                                        split_item=2)[0]
+    counts = tokens_per_expert.to(device=x.device, dtype=torch.int64)
+    return torch_npu.npu_grouped_matmul([x], [weights], group_list=counts, group_type=0, group_list_type=1,
+                                        split_item=3)[0]
 
 
 def setup_context(ctx, inputs, output):
