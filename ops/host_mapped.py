@@ -23,7 +23,8 @@ def npu(src):
 
     allocate = getattr(torch_npu, "empty_with_swapped_memory", None)
     if allocate is None:
-        raise RuntimeError("host_mapped_copy on NPU needs torch_npu.empty_with_swapped_memory (torch_npu >= 2.1)")
+        raise RuntimeError("host_mapped_copy on NPU needs torch_npu.empty_with_swapped_memory, which arrived with "
+                           "torch_npu 7.1.0")
     return allocate(src.shape, dtype=src.dtype, device=src.device).copy_(src)
 
 
