@@ -52,7 +52,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def megatron_rank():
-    from conftest import one_gloo_rank
+    from gloo_rank import one_gloo_rank
     from megatron.core import tensor_parallel
 
     with one_gloo_rank():

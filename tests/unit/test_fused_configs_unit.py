@@ -14,7 +14,7 @@ from mm_adaptor import features
 from mm_adaptor.features import Feature, FeatureConfigError, Flag
 from mm_adaptor.patches.transformer import fused_ops
 
-from conftest import one_gloo_rank
+from gloo_rank import one_gloo_rank
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -33,7 +33,7 @@ TIMED = ("optimizer-inner-step", "optimizer-copy-main-to-model-params")
 
 @pytest.fixture
 def rank():
-    from conftest import one_gloo_rank
+    from gloo_rank import one_gloo_rank
 
     with one_gloo_rank():
         yield

@@ -121,7 +121,7 @@ def run(extra, steps=1):
 
 @pytest.fixture(scope="module")
 def unswapped():
-    from conftest import one_gloo_rank
+    from gloo_rank import one_gloo_rank
 
     with one_gloo_rank():
         return run([])
@@ -129,7 +129,7 @@ def unswapped():
 
 @pytest.fixture
 def rank(unswapped):
-    from conftest import one_gloo_rank
+    from gloo_rank import one_gloo_rank
 
     with one_gloo_rank():
         yield
