@@ -42,6 +42,7 @@ def single_process_group():
         yield
     finally:
         dist.destroy_process_group()
+        _stop_megatrons_write_results_server()
         if cpu:
             devices.uninstall()
         for name, value in saved.items():
@@ -49,6 +50,17 @@ def single_process_group():
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _stop_megatrons_write_results_server() -> None:
+    """megatron's checkpoint writer keeps a multiprocessing Manager (a server process) for its results queue for
+    the life of the process; a converter called as a library must not leave that process behind."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = filesystem_async._results_queue
+    if queue is not None:
+        queue._manager.shutdown()
+        filesystem_async._results_queue = None
 
 
 def sharded_tensor(key: str, tensor, layer: int | None, layers: int | None):

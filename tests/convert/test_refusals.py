@@ -133,3 +133,17 @@ def test_command_line_entry(tmp_path):
                              str(tmp_path / "out"), "--tp", "4"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_conversion_leaves_no_process_behind(tmp_path):
+    """megatron's checkpoint writer starts a server process for its results; the converter stops it."""
+    import psutil
+
+    from mm_adaptor.convert.cli import main
+    from tiny import save_tiny
+
+    save_tiny(tmp_path / "hf")
+    assert main(["hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "mcore")]) == 0
+    left = [p for p in psutil.Process().children(recursive=True)
+            if "resource_tracker" not in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [" ".join(p.cmdline())[:100] for p in left]
