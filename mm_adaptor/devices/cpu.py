@@ -30,7 +30,7 @@ import types
 import torch
 
 from mm_adaptor.devices.base import DeviceBackend, NoAcceleratorError
-from mm_adaptor.devices.redirect import (RedirectMode, Target, distinct, names_nccl, new_group_request,
+from mm_adaptor.devices.redirect import (Redirection, Target, distinct, names_nccl, new_group_request,
                                           process_group_request, rng_state_patches)
 from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
@@ -333,8 +333,7 @@ class CpuBackend(DeviceBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        self._mode: RedirectMode | None = None
-        self._saved_env: dict[str, str | None] = {}
+        self._redirection: Redirection | None = None
 
     pins_host_memory = False  # the "host" copy is another CPU buffer: nothing to pin
 
@@ -396,20 +395,11 @@ class CpuBackend(DeviceBackend):
         return [ps]
 
     def _activate(self) -> None:
-        # Megatron-LM asserts this CUDA scheduling setting for TP; it has no meaning on the CPU.
-        self._saved_env = {k: os.environ.get(k) for k in CPU_ENV}
-        for key, value in CPU_ENV.items():
-            os.environ.setdefault(key, value)
-        self._mode = RedirectMode(cpu_target())
-        self._mode.__enter__()
+        self._redirection = Redirection(cpu_target(), CPU_ENV)
+        self._redirection.enter()
 
     def _deactivate(self) -> None:
-        if self._mode is not None:
-            self._mode.__exit__(None, None, None)
-            self._mode = None
-        for key, value in self._saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        if self._redirection is not None:
+            self._redirection.exit()
+            self._redirection = None
 

@@ -17,12 +17,11 @@ Run on the FAKE npu device in CI (tests/fake_npu); what only Ascend hardware can
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from mm_adaptor.devices.base import DeviceBackend
-from mm_adaptor.devices.redirect import (RedirectMode, Target, new_group_request, process_group_request,
+from mm_adaptor.devices.redirect import (Redirection, Target, new_group_request, process_group_request,
                                          rng_state_patches)
 from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
@@ -102,8 +101,7 @@ class NpuBackend(DeviceBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        self._mode: RedirectMode | None = None
-        self._saved_env: dict[str, str | None] = {}
+        self._redirection: Redirection | None = None
 
     def torch_device(self) -> torch.device:
         return torch.device("npu", _npu().current_device())
@@ -155,21 +153,13 @@ class NpuBackend(DeviceBackend):
         return [ps]
 
     def _activate(self) -> None:
-        self._saved_env = {k: os.environ.get(k) for k in NPU_ENV}
-        for key, value in NPU_ENV.items():
-            os.environ.setdefault(key, value)
-        self._mode = RedirectMode(_npu_target())
-        self._mode.__enter__()
+        self._redirection = Redirection(_npu_target(), NPU_ENV)
+        self._redirection.enter()
 
     def _deactivate(self) -> None:
-        if self._mode is not None:
-            self._mode.__exit__(None, None, None)
-            self._mode = None
-        for key, value in self._saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        if self._redirection is not None:
+            self._redirection.exit()
+            self._redirection = None
 
 
 def _init_process_group_on_hccl(wrapped, instance, args, kwargs):

@@ -12,6 +12,7 @@ Besides the mode: megatron's CUDA RNG-state helpers, and process-group requests 
 
 from __future__ import annotations
 
+import os
 import types
 from dataclasses import dataclass, field
 from typing import Callable
@@ -249,3 +250,30 @@ def new_group_request(args, kwargs, to_backend: str):
     if kwargs.get("pg_options") is not None and (names_nccl(requested) or mapped in (None, "gloo")):
         kwargs["pg_options"] = None
     return requested, tuple(args), kwargs
+
+
+class Redirection:
+    """A backend's redirection while it is active: its environment defaults set, its RedirectMode entered; both
+    undone exactly on exit (the CPU and NPU backends share this)."""
+
+    def __init__(self, target: Target, env: dict[str, str]):
+        self._target, self._env = target, env
+        self._mode: RedirectMode | None = None
+        self._saved_env: dict[str, str | None] = {}
+
+    def enter(self) -> None:
+        self._saved_env = {k: os.environ.get(k) for k in self._env}
+        for key, value in self._env.items():
+            os.environ.setdefault(key, value)
+        self._mode = RedirectMode(self._target)
+        self._mode.__enter__()
+
+    def exit(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
