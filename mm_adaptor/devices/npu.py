@@ -17,7 +17,6 @@ Run on the FAKE npu device in CI (tests/fake_npu); what only Ascend hardware can
 
 from __future__ import annotations
 
-
 import torch
 
 from mm_adaptor.devices.base import DeviceBackend
