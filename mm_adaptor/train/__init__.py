@@ -12,8 +12,14 @@ import os
 import sys
 import tempfile
 
-from mm_adaptor.train.arguments import LayoutError, build_parser, finalize_args, parse_args
+from mm_adaptor import features
+from mm_adaptor.launcher import Interrupted, LaunchError, launch, under_launcher
+from mm_adaptor.output import print_rank_zero_warnings_once
+from mm_adaptor.train import vlm
+from mm_adaptor.train.arguments import LayoutError, build_parser, check_paths, finalize_args, parse_args
+from mm_adaptor.train.checkpoint_files import latest_checkpoint
 from mm_adaptor.train.dump import Dump, RankDump, dump_entries, read_dump
+from mm_adaptor.train.loop import run_rank
 
 __all__ = ["main", "run", "parse_args", "build_parser", "finalize_args", "LayoutError", "Dump", "RankDump",
            "dump_entries", "check_args"]
@@ -22,12 +28,7 @@ __all__ = ["main", "run", "parse_args", "build_parser", "finalize_args", "Layout
 def check_args(args: argparse.Namespace, world_size: int, *, check_devices: bool = True) -> None:
     """Raise LayoutError (one line per problem) or FeatureConfigError before any rank starts: ranges and layout,
     then the features, then the directories (only then is --save created and probed)."""
-    from mm_adaptor import features
-    from mm_adaptor.train.arguments import check_paths
-
     finalize_args(argparse.Namespace(**vars(args)), world_size)
-    from mm_adaptor.train import vlm
-
     if vlm.is_vlm(args):
         vlm.shape_args(args)  # the features check the model's shape (RMSNorm, SwiGLU, rope)
     options = features.fill_defaults(args)
@@ -41,8 +42,6 @@ def check_args(args: argparse.Namespace, world_size: int, *, check_devices: bool
 
 def _check_data(args: argparse.Namespace) -> None:
     """A VLM's data set is validated here, before any rank starts (its DataError is one line)."""
-    from mm_adaptor.train import vlm
-
     if vlm.is_vlm(args):
         problems = vlm.data_problems(args)
         if problems:
@@ -50,8 +49,7 @@ def _check_data(args: argparse.Namespace) -> None:
 
 
 def _ranks_per_node_problem(args: argparse.Namespace) -> str | None:
-    from mm_adaptor import devices
-    from mm_adaptor.launcher import under_launcher
+    from mm_adaptor import devices  # imports torch
 
     backend = devices.current_or_chosen()
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if under_launcher() else args.nproc_per_node
@@ -59,27 +57,19 @@ def _ranks_per_node_problem(args: argparse.Namespace) -> str | None:
 
 
 def main(argv=None) -> int:
-    from mm_adaptor.features import FeatureConfigError
-    from mm_adaptor.launcher import Interrupted, LaunchError, launch, under_launcher
-    from mm_adaptor.train.loop import run_rank
-
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         check_args(args, int(os.environ["WORLD_SIZE"]) if under_launcher() else args.nproc_per_node)
-    except (LayoutError, FeatureConfigError) as exc:
+    except (LayoutError, features.FeatureConfigError) as exc:
         parser.error(str(exc))
     if under_launcher():
-        from mm_adaptor.output import print_rank_zero_warnings_once
-
         print_rank_zero_warnings_once(int(os.environ["RANK"]))
         run_rank(args)
         return 0
     try:
         launch(run_rank, (args,), nproc=args.nproc_per_node, timeout=args.timeout)
     except Interrupted as exc:
-        from mm_adaptor.train.checkpoint import latest_checkpoint
-
         saved = latest_checkpoint(args.save) if args.save else None
         print(f"mm-adaptor train: {exc}; " + (f"last checkpoint: {saved}" if saved else "no checkpoint saved"),
               file=sys.stderr)
@@ -94,9 +84,6 @@ def run(args: argparse.Namespace, *, echo: bool = False) -> Dump:
     """Train with `args` (from parse_args) in fresh local ranks and return what every rank recorded.
 
     Raises LayoutError / FeatureConfigError before starting, LaunchError when a rank fails or hangs."""
-    from mm_adaptor.launcher import launch
-    from mm_adaptor.train.loop import run_rank
-
     args = argparse.Namespace(**vars(args))
     check_args(args, args.nproc_per_node)
     with tempfile.TemporaryDirectory(prefix="mm-adaptor-run-") as tmp:

@@ -9,13 +9,15 @@ import math
 import os
 from pathlib import Path
 
+from mm_adaptor import features
 from mm_adaptor.arguments_errors import ArgumentParser
+from mm_adaptor.output import VERBOSE_ENV
 from mm_adaptor.train import vlm
+from mm_adaptor.train.checkpoint_files import MARKER, latest_checkpoint
+from mm_adaptor.train.model import ffn_hidden_size
 
 
 def build_parser(prog: str = "mm-adaptor train") -> argparse.ArgumentParser:
-    from mm_adaptor import features
-
     p = ArgumentParser(prog=prog, description="Train a tiny GPT with Megatron-Core (and the adaptor's features).")
     m = p.add_argument_group("model (Megatron-LM names)")
     m.add_argument("--num-layers", type=int, default=4)
@@ -106,8 +108,6 @@ class ShowEveryWarning(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from mm_adaptor.output import VERBOSE_ENV
-
         os.environ[VERBOSE_ENV] = "1"
         setattr(namespace, self.dest, True)
 
@@ -179,16 +179,6 @@ def _near_multiple(value: int, factor: int) -> int:
 def _not_divisible(flag: str, value: int, by_flag: str, by: int, why: str = "", note: str = "") -> str:
     return (f"{flag} {value}{note} is not divisible by {by_flag} {by}{why}: use a multiple of {by} "
             f"(e.g. {_near_multiple(value, by)})")
-
-
-def ffn_hidden_size(args: argparse.Namespace) -> int:
-    """--ffn-hidden-size, or the driver's default (mm_adaptor.train.model): 4 x hidden, or with --swiglu 8/3 x hidden
-    rounded up to a multiple of 64."""
-    if args.ffn_hidden_size is not None:
-        return args.ffn_hidden_size
-    if args.swiglu:
-        return (int(args.hidden_size * 8 / 3) + 63) // 64 * 64
-    return 4 * args.hidden_size
 
 
 def finalize_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -311,13 +301,9 @@ def finalize_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     return args
 
 
-
-
 def checkpoint_iteration(directory: str) -> int:
     """The iteration of the latest checkpoint under `directory` (the driver's and Megatron-LM's layout);
     raises LayoutError naming --load when there is none."""
-    from mm_adaptor.train.checkpoint import MARKER, latest_checkpoint
-
     root = Path(directory)
     if not root.is_dir():
         raise LayoutError(f"--load {directory}: no such directory: give the --save directory of an earlier run")

@@ -2,16 +2,18 @@
 
 A save is written into `iter_N.saving`, renamed to `iter_N` once every rank finished, and only then named by the
 marker file (replaced atomically), so the marker always names a complete checkpoint: a save killed half way leaves
-a `.saving` directory behind and the marker at the previous checkpoint."""
+a `.saving` directory behind and the marker at the previous checkpoint. The directory layout, and the renames that
+publish a save, are in checkpoint_files (no torch, no megatron: argument checks read it before any rank starts)."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 from mm_adaptor.train import vlm
+from mm_adaptor.train.checkpoint_files import (  # noqa: F401  (latest_checkpoint: callers read it here too)
+    CONTENTS, MARKER, checkpoint_dir, latest_checkpoint, publish, replace_file)
 from mm_adaptor.train.model import unwrap
 
 
@@ -40,48 +42,6 @@ def _sharded_state_dict(state, *, is_loading: bool, with_optimizer: bool = True)
     return sd
 
 
-MARKER = "latest_checkpointed_iteration.txt"
-
-
-def checkpoint_dir(directory, iteration: int) -> Path:
-    return Path(directory) / f"iter_{iteration:07d}"
-
-
-def latest_checkpoint(directory) -> Path | None:
-    """The complete checkpoint the marker under `directory` names, or None when there is no marker. A save of the
-    same iteration cut short between its two renames (_publish) left the complete one as `iter_N.old`."""
-    marker = Path(directory) / MARKER
-    if not marker.exists():
-        return None
-    final = checkpoint_dir(directory, int(marker.read_text().strip()))
-    set_aside = _set_aside(final)
-    return set_aside if not final.exists() and set_aside.exists() else final
-
-
-def _set_aside(final: Path) -> Path:
-    return final.with_name(final.name + ".old")
-
-
-def _replace_file(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-
-
-def _publish(staging: Path, final: Path) -> None:
-    """Rename the finished save into place; an older save of the same iteration is set aside first (and found
-    there by latest_checkpoint if the process dies between the two renames)."""
-    set_aside = _set_aside(final)
-    if final.exists():
-        shutil.rmtree(set_aside, ignore_errors=True)
-        final.rename(set_aside)
-    staging.rename(final)
-    shutil.rmtree(set_aside, ignore_errors=True)
-
-
 def save_checkpoint(state, directory: str, *, save_optim: bool = True, save_rng: bool = True) -> Path:
     """save_optim / save_rng False: Megatron-LM's --no-save-optim / --no-save-rng."""
     import torch.distributed as dist
@@ -101,8 +61,8 @@ def save_checkpoint(state, directory: str, *, save_optim: bool = True, save_rng:
                                                     "world_size": dist.get_world_size()}))
     dist.barrier()  # every rank has written its shards
     if dist.get_rank() == 0:
-        _publish(staging, final)
-        _replace_file(Path(directory) / MARKER, str(state.iteration))
+        publish(staging, final)
+        replace_file(Path(directory) / MARKER, str(state.iteration))
     dist.barrier()
     return final
 
@@ -135,7 +95,6 @@ def load_checkpoint(state, directory: str, *, load_optim: bool = True, load_rng:
     return int(loaded["iteration"])
 
 
-CONTENTS = "mm_adaptor_train.json"  # what a driver's save holds: {"optimizer": bool, "rng": bool, "world_size": n}
 
 
 def _rng_file(path: Path) -> Path:

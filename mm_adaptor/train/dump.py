@@ -8,6 +8,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from mm_adaptor.train.model import unwrap
+
 
 @dataclass
 class RankDump:
@@ -97,8 +99,6 @@ RECORDED_SUBMODULES = ("input_layernorm", "self_attention", "pre_mlp_layernorm",
 
 def _recorded_modules(model):
     from megatron.core.transformer.identity_op import IdentityOp
-
-    from mm_adaptor.train.model import unwrap
 
     for i, chunk in enumerate(model):
         module = unwrap(chunk)

@@ -10,9 +10,16 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
+import mm_adaptor
 from mm_adaptor.launcher import report_progress
 from mm_adaptor.train import vlm
+from mm_adaptor.train.arguments import finalize_args
+from mm_adaptor.train.checkpoint import load_checkpoint, save_checkpoint
+from mm_adaptor.train.data import MockBatches
+from mm_adaptor.train.dump import Recorder
 from mm_adaptor.train.logs import StepRecord, describe_layout, format_iteration, print_last_rank, set_silent, summary
+from mm_adaptor.train.model import (  # noqa: F401  (loss_func: callers read it here too)
+    build_model, build_optimizer, connect_grad_sync, loss_func, transformer_config, wrap_model)
 
 
 @dataclass
@@ -24,16 +31,6 @@ class RunState:
     iteration: int = 0
     records: list = field(default_factory=list)
     memory: dict = field(default_factory=dict)
-
-
-def loss_func(loss_mask, output_tensor):
-    import torch
-
-    losses = output_tensor.view(-1).float()
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().clone().detach().to(torch.int)
-    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
 def forward_step(data_iterator, model):
@@ -119,8 +116,7 @@ def run_rank(args: argparse.Namespace) -> None:
     """One rank's whole job: backend, features, process groups, model, loop, checkpoint, dump."""
     import torch.distributed as dist
 
-    import mm_adaptor
-    from mm_adaptor import devices
+    from mm_adaptor import devices  # imports torch
 
     report_progress("building")
     set_silent(args.silent)
@@ -147,9 +143,6 @@ def _build(args, device) -> RunState:
     from megatron.core import parallel_state as ps
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 
-    from mm_adaptor.train.arguments import finalize_args
-    from mm_adaptor.train.model import build_model, build_optimizer, connect_grad_sync, transformer_config, wrap_model
-
     finalize_args(args, dist.get_world_size())
     ps.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -172,8 +165,6 @@ def _build(args, device) -> RunState:
     config.grad_scale_func = state.optimizer.scale_loss
     connect_grad_sync(args, config, state.model)
     if args.load:
-        from mm_adaptor.train.checkpoint import load_checkpoint
-
         state.iteration = load_checkpoint(state, args.load, load_optim=not args.no_load_optim,
                                           load_rng=not args.no_load_rng)
         print_last_rank(f" loaded checkpoint from {args.load} at iteration {state.iteration}")
@@ -186,8 +177,6 @@ def _train(args, backend) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from mm_adaptor.api import applied_features
-    from mm_adaptor.train.data import MockBatches
-    from mm_adaptor.train.dump import Recorder
 
     device = backend.torch_device()  # where the model, its batches and the collectives' tensors live
     state = _build(args, device)
@@ -258,8 +247,6 @@ def _global_tokens(data, tokens_per_step: int, device) -> int:
 
 
 def _save(state, args):
-    from mm_adaptor.train.checkpoint import save_checkpoint
-
     report_progress("saving", state.iteration)
     save_checkpoint(state, args.save, save_optim=not args.no_save_optim, save_rng=not args.no_save_rng)
     if vlm.is_vlm(args):

@@ -1,6 +1,9 @@
-"""The driver's model: megatron-core's GPT on the local spec, wrapped in DDP (and Float16Module), and its optimizer."""
+"""The driver's model: megatron-core's GPT on the local spec, wrapped in DDP (and Float16Module), its loss and its
+optimizer. Imports no module of the driver (the others build on it), and torch and megatron only when called."""
 
 from __future__ import annotations
+
+import argparse
 
 
 def unwrap(chunk):
@@ -10,12 +13,32 @@ def unwrap(chunk):
     return chunk
 
 
+def ffn_hidden_size(args: argparse.Namespace) -> int:
+    """--ffn-hidden-size, or the driver's default: 4 x hidden, or with --swiglu 8/3 x hidden
+    rounded up to a multiple of 64."""
+    if args.ffn_hidden_size is not None:
+        return args.ffn_hidden_size
+    if args.swiglu:
+        return (int(args.hidden_size * 8 / 3) + 63) // 64 * 64
+    return 4 * args.hidden_size
+
+
+def loss_func(loss_mask, output_tensor):
+    """What megatron's schedules reduce (calculate_per_token_loss): the loss summed over the tokens `loss_mask`
+    keeps, their count, and the pair to log."""
+    import torch
+
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
 def transformer_config(args):
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
-
-    from mm_adaptor.train.arguments import ffn_hidden_size
 
     dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
     ffn = ffn_hidden_size(args)

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
+
+from mm_adaptor.train import vlm_data
+from mm_adaptor.train.model import loss_func, unwrap
 
 MODELS = ("gpt", "qwen2_5_vl", "qwen2_5_vl-tiny")
 
@@ -123,9 +127,7 @@ def data_problems(args) -> list[str]:
     """The data set's one-line DataError before any rank starts."""
     if not args.data_path:
         return []
-    from mm_adaptor.train.vlm_data import validate
-
-    return validate(args)
+    return vlm_data.validate(args, model_config(args))
 
 
 def freeze(model, args) -> dict:
@@ -152,18 +154,11 @@ def build_model(args, device, memory: dict) -> list:
 
 
 def batches(args, dp_rank: int, start_iteration: int, device):
-    from mm_adaptor.train.vlm_data import DatasetBatches, SyntheticBatches
-
-    kind = DatasetBatches if args.data_path else SyntheticBatches
+    kind = vlm_data.DatasetBatches if args.data_path else vlm_data.SyntheticBatches
     return kind(args, model_config(args), dp_rank, start_iteration, device)
 
 
 def forward_step(data_iterator, model):
-    from functools import partial
-
-    from mm_adaptor.train.loop import loss_func
-    from mm_adaptor.train.model import unwrap
-
     batch = next(data_iterator)
     vision = {}
     if unwrap(model).pre_process:

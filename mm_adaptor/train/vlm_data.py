@@ -111,15 +111,13 @@ def tokenizer(args, config):
     return load_tokenizer(tokenizer_dir(args), config)
 
 
-def validate(args) -> list[str]:
-    """The data set's validation pass (images opened, tokens counted) and the tokenizer/model match: the
+def validate(args, config) -> list[str]:
+    """The data set's validation pass (images opened, tokens counted) and the tokenizer/`config` match: the
     DataError's line, or nothing."""
     from mm_adaptor.data import DataError, check_model_matches
     from mm_adaptor.data import validate as validate_data
-    from mm_adaptor.train.vlm import model_config
 
     try:
-        config = model_config(args)
         tok = tokenizer(args, config)
         check_model_matches(tok, config)
         validate_data(args.data_path, tok, args.seq_length)

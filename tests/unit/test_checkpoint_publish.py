@@ -1,6 +1,6 @@
 """The marker only ever names a complete checkpoint, also when a save of the same iteration replaces one."""
 
-from mm_adaptor.train import checkpoint
+from mm_adaptor.train import checkpoint_files as checkpoint
 from mm_adaptor.train.arguments import checkpoint_iteration
 
 
@@ -14,7 +14,7 @@ def _save_dir(root, name, content):
 def test_a_save_of_the_same_iteration_replaces_the_old_one(tmp_path):
     final = _save_dir(tmp_path, "iter_0000020", "old")
     staging = _save_dir(tmp_path, "iter_0000020.saving", "new")
-    checkpoint._publish(staging, final)
+    checkpoint.publish(staging, final)
     assert (final / "shard").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000020"]
 
@@ -25,7 +25,7 @@ def test_a_replacement_cut_between_its_renames_leaves_the_old_save_loadable(tmp_
     _save_dir(tmp_path, "iter_0000020.saving", "new")
     assert checkpoint.latest_checkpoint(tmp_path) == set_aside
     assert checkpoint_iteration(str(tmp_path)) == 20
-    checkpoint._publish(tmp_path / "iter_0000020.saving", tmp_path / "iter_0000020")  # the next save tidies up
+    checkpoint.publish(tmp_path / "iter_0000020.saving", tmp_path / "iter_0000020")  # the next save tidies up
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000020", checkpoint.MARKER]
     assert checkpoint.latest_checkpoint(tmp_path) == tmp_path / "iter_0000020"
 
