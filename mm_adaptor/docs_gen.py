@@ -11,7 +11,8 @@ written by hand. What goes in them comes from the code, so the documents cannot 
 - docs/features/<name>.md, block `flags`: every flag with its type, default and help, the tolerance and its reason,
   the features it requires or conflicts with, and the refusals: each message is what the feature's own validate()
   raises for a probe configuration listed in REFUSAL_PROBES (a probe that no longer refuses is an error here);
-- docs/features/<name>.md, block `devices`: the state and evidence of each device from mm_adaptor/verification.py.
+- docs/features/<name>.md, block `devices`: the state and evidence of each device from mm_adaptor/verification.py;
+- docs/devices.md, block `devices-matrix`: every feature's state on every device, and each backend's record.
 
 The features documented are the built-in ones (modules under mm_adaptor.feature_flags); a feature added there
 without a page makes the check fail."""
@@ -219,6 +220,20 @@ def devices_block(feature) -> str:
     return "\n".join(lines) + "\n"
 
 
+def devices_matrix(features) -> str:
+    from mm_adaptor import verification
+
+    lines = ["| feature | " + " | ".join(verification.DEVICES) + " |", "|---|" + "---|" * len(verification.DEVICES)]
+    for feature in sorted(features, key=lambda f: f.name):
+        states = " | ".join(verification.record(feature.name, d).state for d in verification.DEVICES)
+        lines.append(f"| [{feature.name}](features/{feature.name}.md) | {states} |")
+    lines.append("")
+    for device in verification.DEVICES:
+        backend = verification.BACKENDS.get(device, verification.UNRECORDED)
+        lines.append(f"- backend `{device}`: {backend.state}: {backend.evidence}")
+    return "\n".join(lines) + "\n"
+
+
 def fill(text: str, blocks: dict[str, str]) -> tuple[str, list[str]]:
     """The text with each named block's body replaced; and the names of blocks the text lacks."""
     seen = set()
@@ -242,6 +257,11 @@ def expected(root: Path = ROOT, features=None) -> tuple[dict[Path, str], list[st
     text, missing = fill(readme.read_text(), {"features-table": features_table(root, features)})
     wanted[readme] = text
     problems += [f"README.md: no <!-- generated:{name} --> block" for name in missing]
+    devices = root / "docs" / "devices.md"
+    if devices.exists():
+        text, missing = fill(devices.read_text(), {"devices-matrix": devices_matrix(features)})
+        wanted[devices] = text
+        problems += [f"docs/devices.md: no <!-- generated:{name} --> block" for name in missing]
     for feature in features:
         path = page_path(root, feature)
         if not path.exists():
