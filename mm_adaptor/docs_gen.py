@@ -152,7 +152,8 @@ def features_table(root: Path, features) -> str:
     rows = ["| flag | what it buys | tolerance | verified on | page |", "|---|---|---|---|---|"]
     for feature in sorted(features, key=lambda f: f.name):
         tuning = " ".join(f"[`{flag.option}`]" for flag in feature.flags[1:])
-        flag = f"`{feature.main_flag.option}`" + (f" {tuning}" if tuning else "")
+        main = feature.main_flag
+        flag = f"`{main.option}`" + (" [value]" if main.value_optional else "") + (f" {tuning}" if tuning else "")
         rows.append(f"| {flag} | {_cell(summary_of(root, feature))} | {tolerance_short(feature)} | "
                     f"{devices_short(feature)} | [{feature.name}](docs/features/{feature.name}.md) |")
     return "\n".join(rows) + "\n"
