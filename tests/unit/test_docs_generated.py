@@ -1,0 +1,95 @@
+"""The generated blocks of README.md and docs/ say what the feature registry and mm_adaptor/verification.py say, and
+the check notices when they stop doing so (a feature or a flag added without regenerating)."""
+
+import dataclasses
+
+import pytest
+
+from mm_adaptor import docs_gen, features
+from mm_adaptor.features import Feature, Flag
+
+
+def test_committed_docs_match_the_registry():
+    problems = docs_gen.stale()
+    assert not problems, "\n".join(problems) + "\nrun `python -m mm_adaptor.docs_gen` and commit the result"
+
+
+def test_every_builtin_feature_has_a_page_linked_from_the_readme():
+    readme = (docs_gen.ROOT / "README.md").read_text()
+    for feature in docs_gen.builtin_features():
+        assert docs_gen.page_path(docs_gen.ROOT, feature).exists(), feature.name
+        assert f"(docs/features/{feature.name}.md)" in readme, feature.name
+
+
+@pytest.fixture
+def throwaway_feature():
+    """A feature registered the way a new module in feature_flags/ would be, without any page or regeneration."""
+
+    class Throwaway(Feature):
+        name = "throwaway-docs-probe"
+        description = "a feature that exists only in this test"
+        flags = (Flag("--use-throwaway-docs-probe", "only in this test"),)
+
+        def patch_sets(self, options):
+            return []
+
+    Throwaway.__module__ = docs_gen.BUILTIN_PREFIX + "throwaway_docs_probe"
+    features.register(Throwaway)
+    try:
+        yield Throwaway
+    finally:
+        features.unregister(Throwaway.name)
+
+
+def test_a_feature_added_without_regenerating_fails_the_check(throwaway_feature):
+    problems = docs_gen.stale()
+    text = "\n".join(problems)
+    assert "docs/features/throwaway-docs-probe.md: missing" in text
+    assert "README.md differs from the registry" in text
+    assert "--use-throwaway-docs-probe" in text  # the diff shows the row the table lacks
+    assert docs_gen.main(["--check"]) == 1
+
+
+def test_a_flag_added_to_a_feature_without_regenerating_fails_the_check(monkeypatch):
+    feature = features.get("swap-attention")
+    extra = Flag("--swap-throwaway-probe", "only in this test", type=int, default=3)
+    monkeypatch.setattr(type(feature), "flags", (*feature.flags, extra))
+    problems = docs_gen.stale()
+    text = "\n".join(problems)
+    assert "docs/features/swap-attention.md differs from the registry" in text
+    assert "--swap-throwaway-probe" in text
+
+
+def test_a_changed_verification_record_fails_the_check(monkeypatch):
+    from mm_adaptor import verification
+
+    records = dict(verification.FEATURES["coc"])
+    records["cuda"] = dataclasses.replace(records["cuda"], evidence="a run that is only in this test")
+    monkeypatch.setitem(verification.FEATURES, "coc", records)
+    text = "\n".join(docs_gen.stale())
+    assert "docs/features/coc.md differs from the registry" in text
+
+
+def test_a_probe_that_no_longer_refuses_is_an_error(monkeypatch):
+    monkeypatch.setitem(docs_gen.REFUSAL_PROBES, "swap-attention", [("accepted", {"swap_attention": True})])
+    with pytest.raises(SystemExit, match="no longer refuses"):
+        docs_gen.refusals(features.get("swap-attention"))
+
+
+def test_regenerating_writes_the_blocks_and_nothing_else(tmp_path):
+    page = tmp_path / "docs" / "features"
+    page.mkdir(parents=True)
+    (tmp_path / "docs" / "devices.md").write_text("intro\n<!-- generated:devices-matrix -->\nold\n<!-- /generated -->\n")
+    (tmp_path / "README.md").write_text("# title\n\n<!-- generated:features-table -->\nold\n<!-- /generated -->\ntail\n")
+    for feature in docs_gen.builtin_features():
+        (page / f"{feature.name}.md").write_text(
+            f"# {feature.name}\n\n**What it buys:** one line\n\nhand-written\n\n"
+            "<!-- generated:flags -->\n<!-- /generated -->\n\n<!-- generated:devices -->\nold\n<!-- /generated -->\n")
+    assert docs_gen.stale(tmp_path)
+    docs_gen.write(tmp_path)
+    assert docs_gen.stale(tmp_path) == []
+    readme = (tmp_path / "README.md").read_text()
+    assert readme.startswith("# title\n\n") and readme.endswith("<!-- /generated -->\ntail\n")
+    assert "| one line |" in readme
+    swap = (page / "swap-attention.md").read_text()
+    assert "hand-written" in swap and "`--swap-min-bytes`" in swap and "| cpu | verified |" in swap
