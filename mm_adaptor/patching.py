@@ -1,113 +1,31 @@
 """Versioned, reversible patches of dotted targets.
 
-A Patch says explicitly whether it replaces or wraps its target, carries a Contract (supported
-versions + fingerprint of the original), rebinds by-value copies of the original in other
-imported modules, and reverts all of it exactly, including copies of the patched object that
-modules imported while the patch was active made.
+A Patch says explicitly whether it replaces or wraps its target, carries a Contract (mm_adaptor.contracts:
+the original's fingerprint per megatron-core version and the versions its feature was verified on), rebinds
+by-value copies of the original in other imported modules, and reverts all of it exactly, including copies of
+the patched object that modules imported while the patch was active made.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import importlib.metadata
-import inspect
-import os
 import sys
-import textwrap
-import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import wrapt
-from packaging.specifiers import SpecifierSet
 
-from mm_adaptor.errors import ConfigurationError
+from mm_adaptor.contracts import (  # noqa: F401  (the contract API is used through this module)
+    ALLOW_MISMATCH_ENV,
+    SUPPORTED_MEGATRON_CORE,
+    Contract,
+    PatchContractError,
+    PatchContractWarning,
+    PatchError,
+    fingerprint,
+)
 
-ALLOW_MISMATCH_ENV = "MM_ADAPTOR_ALLOW_CONTRACT_MISMATCH"
-# The megatron-core releases every patch is written for (pyproject.toml's dependency says the same; a test checks).
-SUPPORTED_MEGATRON_CORE = ">=0.16.0,<0.17"
 MODES = ("replace", "wrap")
 _MISSING = object()
-
-
-class PatchError(RuntimeError):
-    pass
-
-
-class PatchContractError(PatchError, ConfigurationError):
-    pass
-
-
-class PatchContractWarning(UserWarning):
-    pass
-
-
-def _mismatch_allowed() -> bool:
-    return os.environ.get(ALLOW_MISMATCH_ENV, "").strip().lower() in ("1", "true", "yes")
-
-
-def _underlying(obj):
-    if isinstance(obj, (staticmethod, classmethod)):
-        obj = obj.__func__
-    elif isinstance(obj, property) and obj.fget is not None:
-        obj = obj.fget
-    try:
-        return inspect.unwrap(obj)
-    except ValueError:
-        return obj
-
-
-def fingerprint(obj) -> str:
-    """16 hex digits identifying the source of obj (or its signature when no source exists)."""
-    target = _underlying(obj)
-    if isinstance(target, wrapt.ObjectProxy):
-        target = target.__wrapped__
-    try:
-        source = textwrap.dedent(inspect.getsource(target))
-        text = "\n".join(line.rstrip() for line in source.splitlines())
-    except (OSError, TypeError):
-        try:
-            text = "sig:" + str(inspect.signature(target))
-        except (TypeError, ValueError):
-            text = "repr:" + repr(target)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class Contract:
-    """The versions of `package` a patch was written for, and optionally the original's fingerprint."""
-
-    versions: str
-    fingerprint: str | None = None
-    package: str = "megatron-core"
-
-    def check(self, original, *, feature: str, target: str) -> None:
-        try:
-            installed = importlib.metadata.version(self.package)
-        except importlib.metadata.PackageNotFoundError:
-            installed = None
-        problems = []
-        if installed is None:
-            problems.append(f"{self.package} is not installed")
-        elif not SpecifierSet(self.versions).contains(installed, prereleases=True):
-            problems.append(f"{self.package} {installed} is installed, outside the supported versions")
-        if self.fingerprint is not None:
-            actual = fingerprint(original)
-            if actual != self.fingerprint:
-                problems.append(f"the original's source changed (fingerprint {actual}, expected {self.fingerprint})")
-        if not problems:
-            return
-        found = f"{self.package} {installed}" if installed else f"{self.package} (not installed)"
-        message = (
-            f"feature {feature or '?'!r} cannot patch {target}: {'; '.join(problems)}; "
-            f"installed: {found}; this patch supports {self.package} {self.versions}; "
-            f"set {ALLOW_MISMATCH_ENV}=1 to downgrade this to a warning"
-        )
-        if _mismatch_allowed():
-            warnings.warn(message, PatchContractWarning, stacklevel=4)
-            return
-        raise PatchContractError(message)
 
 
 def resolve(dotted: str) -> tuple[Any, str]:

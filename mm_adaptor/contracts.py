@@ -1,0 +1,214 @@
+"""Patch contracts: what a patch was verified against, checked before it is applied.
+
+For megatron-core a contract is per upstream function, not per version range: every target has a fingerprint
+of its code in each tagged megatron-core release (mm_adaptor/megatron_fingerprints.py, made by
+scripts/fingerprint_megatron.py), and each feature records the versions it was verified on. A patch serves when
+the installed target's code is that of a verified version, whatever the installed version; otherwise only the
+features patching that function refuse, in one line naming it. A megatron-core outside SUPPORTED_MEGATRON_CORE
+gets one warning per process, nothing more. Contracts on other packages (torch) keep the plain version check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import inspect
+import os
+import textwrap
+import warnings
+from dataclasses import dataclass
+
+import wrapt
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from mm_adaptor import fingerprints
+from mm_adaptor.errors import ConfigurationError
+
+ALLOW_MISMATCH_ENV = "MM_ADAPTOR_ALLOW_CONTRACT_MISMATCH"
+# The megatron-core releases the project installs beside (pyproject.toml's dependency says the same; a test checks).
+# Outside it: one warning, then each feature by its fingerprints.
+SUPPORTED_MEGATRON_CORE = ">=0.16.0,<0.17"
+MEGATRON_CORE = "megatron-core"
+# The megatron-core versions each feature (or compatibility/device patch set, by name) was verified on: its
+# regression checks passed there. A name not listed has the default.
+DEFAULT_VERIFIED = ("0.16.1",)
+VERIFIED_ON: dict[str, tuple[str, ...]] = {}
+# Targets whose contract is their parameters alone: Megatron-LM entry points the adaptor only wraps to call through
+# (adding its flags, enabling features after validation, passing allow_no_cuda); their bodies change every release
+# without concerning the wrapper.
+SIGNATURE_ONLY = frozenset({
+    "megatron.training.arguments.add_megatron_arguments",
+    "megatron.training.arguments.validate_args",
+    "megatron.training.yaml_arguments.validate_yaml",
+    "megatron.training.initialize.initialize_megatron",
+})
+
+
+class PatchError(RuntimeError):
+    pass
+
+
+class PatchContractError(PatchError, ConfigurationError):
+    pass
+
+
+class PatchContractWarning(UserWarning):
+    pass
+
+
+class MegatronVersionWarning(UserWarning):
+    """The installed megatron-core is outside SUPPORTED_MEGATRON_CORE (said once per process)."""
+
+
+def _mismatch_allowed() -> bool:
+    return os.environ.get(ALLOW_MISMATCH_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def _underlying(obj):
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    elif isinstance(obj, property) and obj.fget is not None:
+        obj = obj.fget
+    try:
+        return inspect.unwrap(obj)
+    except ValueError:
+        return obj
+
+
+def fingerprint(obj) -> str:
+    """16 hex digits identifying the source text of obj (or its signature when no source exists): the pin of a
+    contract's explicit `fingerprint` (`mm-adaptor fingerprint` prints it)."""
+    target = _underlying(obj)
+    if isinstance(target, wrapt.ObjectProxy):
+        target = target.__wrapped__
+    try:
+        source = textwrap.dedent(inspect.getsource(target))
+        text = "\n".join(line.rstrip() for line in source.splitlines())
+    except (OSError, TypeError):
+        try:
+            text = "sig:" + str(inspect.signature(target))
+        except (TypeError, ValueError):
+            text = "repr:" + repr(target)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def installed_version(package: str = MEGATRON_CORE) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def verified_versions(feature: str) -> tuple[str, ...]:
+    return VERIFIED_ON.get(feature, DEFAULT_VERIFIED)
+
+
+def recorded_fingerprints(target: str) -> dict[str, str | None] | None:
+    """version -> fingerprint of the target in that megatron-core release, None when the table lacks it."""
+    from mm_adaptor.megatron_fingerprints import FINGERPRINTS
+
+    return FINGERPRINTS.get(target)
+
+
+_live: dict[str, str | None] = {}
+
+
+def live_fingerprint(target: str) -> str | None:
+    """The installed target's fingerprint (from its source file, normalised as the table is); None if undefined."""
+    if target not in _live:
+        _live[target] = fingerprints.installed_fingerprint(target, signature_only=target in SIGNATURE_ONLY)
+    return _live[target]
+
+
+def _same_version(a: str, b: str) -> bool:
+    try:
+        return Version(a) == Version(b)
+    except InvalidVersion:
+        return a == b
+
+
+def megatron_problem(feature: str, target: str, installed: str) -> str | None:
+    """Why `feature` may not patch `target` on the installed megatron-core, in a few words naming it; None if it
+    may: the target's code equals its code in a version the feature was verified on."""
+    verified = verified_versions(feature)
+    on = " or ".join(verified)
+    recorded = recorded_fingerprints(target)
+    if recorded is None or not any(v in recorded for v in verified):
+        if any(_same_version(installed, v) for v in verified):
+            return None
+        return (f"no fingerprint of {target} is recorded for megatron-core {on} to compare with {installed}'s "
+                "(run scripts/fingerprint_megatron.py)")
+    live = live_fingerprint(target)
+    if any(v in recorded and recorded[v] == live for v in verified):
+        return None
+    if live is None:
+        return f"{target} is not defined in megatron-core {installed} (verified on {on})"
+    return f"{target} changed in megatron-core {installed} (its code differs from {on}, where it was verified)"
+
+
+_warned_range: set[str] = set()
+
+
+def warn_if_outside_range(installed: str | None = None) -> bool:
+    """One MegatronVersionWarning per process when megatron-core is installed outside SUPPORTED_MEGATRON_CORE."""
+    installed = installed if installed is not None else installed_version()
+    if installed is None or SpecifierSet(SUPPORTED_MEGATRON_CORE).contains(installed, prereleases=True):
+        return False
+    if installed not in _warned_range:
+        _warned_range.add(installed)
+        warnings.warn(
+            f"megatron-core {installed} is outside the versions mm_adaptor installs beside "
+            f"({SUPPORTED_MEGATRON_CORE}); each feature serves where the upstream functions it patches are "
+            "unchanged from a version it was verified on and refuses naming the function otherwise "
+            "(`mm-adaptor report` lists them)", MegatronVersionWarning, stacklevel=2)
+    return True
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a patch of `package` was verified against. For megatron-core: the per-version fingerprints of the
+    target (looked up by target) and the feature's verified versions; `versions` is the range the project
+    installs beside. For other packages: `versions` must contain the installed one. `fingerprint`, if given,
+    pins the original's source text (or value) exactly, on every version."""
+
+    versions: str
+    fingerprint: str | None = None
+    package: str = MEGATRON_CORE
+
+    def problems(self, original, *, feature: str, target: str) -> tuple[list[str], str | None]:
+        installed = installed_version(self.package)
+        problems = []
+        if installed is None:
+            problems.append(f"{self.package} is not installed")
+        elif self.package == MEGATRON_CORE:
+            warn_if_outside_range(installed)
+            problem = megatron_problem(feature, target, installed)
+            if problem:
+                problems.append(problem)
+        elif not SpecifierSet(self.versions).contains(installed, prereleases=True):
+            problems.append(f"{self.package} {installed} is installed, outside the supported versions")
+        if self.fingerprint is not None:
+            actual = fingerprint(original)
+            if actual != self.fingerprint:
+                problems.append(f"the original's source changed (fingerprint {actual}, expected {self.fingerprint})")
+        return problems, installed
+
+    def check(self, original, *, feature: str, target: str) -> None:
+        problems, installed = self.problems(original, feature=feature, target=target)
+        if not problems:
+            return
+        found = f"{self.package} {installed}" if installed else f"{self.package} (not installed)"
+        supported = (f"verified on {self.package} {' and '.join(verified_versions(feature))}"
+                     if self.package == MEGATRON_CORE else f"this patch supports {self.package} {self.versions}")
+        message = (
+            f"feature {feature or '?'!r} cannot patch {target}: {'; '.join(problems)}; installed: {found}; "
+            f"{supported}; set {ALLOW_MISMATCH_ENV}=1 to downgrade this to a warning"
+        )
+        if _mismatch_allowed():
+            warnings.warn(message, PatchContractWarning, stacklevel=4)
+            return
+        raise PatchContractError(message)
+
+
+warn_if_outside_range()
