@@ -29,7 +29,7 @@ def test_the_summary_names_each_device():
 
 
 def test_report_shows_each_feature_on_each_device(monkeypatch):
-    from mm_adaptor.cli import report_lines
+    from mm_adaptor.cli_report import report_lines
 
     monkeypatch.setenv(devices.DEVICE_ENV, "cpu")
     text = "\n".join(report_lines())
