@@ -290,16 +290,15 @@ def stale(root: Path = ROOT, features=None) -> list[str]:
     return problems
 
 
-def write(root: Path = ROOT, features=None) -> list[Path]:
+def write(root: Path = ROOT, features=None) -> tuple[list[Path], list[str]]:
+    """Rewrite the stale blocks; returns the files rewritten and the problems left (missing pages or blocks)."""
     wanted, problems = expected(root, features)
     changed = []
     for path, text in wanted.items():
         if path.read_text() != text:
             path.write_text(text)
             changed.append(path)
-    for problem in problems:
-        print(f"docs_gen: {problem}", file=sys.stderr)
-    return changed
+    return changed, problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,9 +313,12 @@ def main(argv: list[str] | None = None) -> int:
         if problems:
             print("docs_gen: run `python -m mm_adaptor.docs_gen` and commit the result")
         return 1 if problems else 0
-    for path in write(args.root):
+    changed, problems = write(args.root)
+    for path in changed:
         print(f"rewrote {path.relative_to(args.root)}")
-    return 0
+    for problem in problems:
+        print(f"docs_gen: {problem}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

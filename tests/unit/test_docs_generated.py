@@ -79,8 +79,9 @@ def test_a_probe_that_no_longer_refuses_is_an_error(monkeypatch):
 def test_regenerating_writes_the_blocks_and_nothing_else(tmp_path):
     page = tmp_path / "docs" / "features"
     page.mkdir(parents=True)
-    (tmp_path / "docs" / "devices.md").write_text("intro\n<!-- generated:devices-matrix -->\nold\n<!-- /generated -->\n")
-    (tmp_path / "README.md").write_text("# title\n\n<!-- generated:features-table -->\nold\n<!-- /generated -->\ntail\n")
+    block = "<!-- generated:{} -->\nold\n<!-- /generated -->\n"
+    (tmp_path / "docs" / "devices.md").write_text("intro\n" + block.format("devices-matrix"))
+    (tmp_path / "README.md").write_text("# title\n\n" + block.format("features-table") + "tail\n")
     for feature in docs_gen.builtin_features():
         (page / f"{feature.name}.md").write_text(
             f"# {feature.name}\n\n**What it buys:** one line\n\nhand-written\n\n"
