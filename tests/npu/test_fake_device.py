@@ -87,3 +87,29 @@ def test_hccl_backend_runs_gloo_on_npu_tensors_and_refuses_fp64(tmp_path):
         assert "float64" in result["fp64"]
         assert result["calls"]["allreduce"] >= 1 and result["calls"]["all_gather_single"] == 1
     assert r[1]["got"] == [0.0, 1.0, 2.0]
+
+
+CPU_KERNELS = r"""
+import json, torch, torch_npu
+torch.manual_seed(0)
+x = (torch.randn(64, 2, 64) * 3 + 1).requires_grad_()
+w, b = torch.randn(64).requires_grad_(), torch.randn(64).requires_grad_()
+dy = torch.randn(64, 2, 64)
+def run(dev):
+    xs, ws, bs = (t.detach().to(dev).requires_grad_() for t in (x, w, b))
+    y = torch.nn.functional.layer_norm(xs, (64,), ws, bs, 1e-5)
+    y.backward(dy.to(dev))
+    return [t.detach().cpu() for t in (y, xs.grad, ws.grad, bs.grad)]
+same = [torch.equal(a, c) for a, c in zip(run("cpu"), run("npu"))]
+print("RESULT=" + json.dumps({"routed": torch_npu.CPU_ROUTED_OPS, "layer_norm_fwd_bwd_equal": same}))
+"""
+
+
+def test_ops_with_a_cpu_kernel_run_it_not_their_decomposition():
+    """native_layer_norm has a CPU kernel and a CompositeExplicitAutograd one; on a PrivateUse1 device the latter
+    wins over the fallback, and its rounding differs: DP2 and EP2 training drifted from the CPU backend in the 7th
+    digit. The fake routes every such op to its CPU kernel; the broken fake (routing skipped) must differ."""
+    routed = run_python(CPU_KERNELS, devices=1)
+    assert routed["routed"] > 100 and routed["layer_norm_fwd_bwd_equal"] == [True] * 4
+    broken = run_python(CPU_KERNELS, devices=1, MM_ADAPTOR_FAKE_NPU_BREAK="composite")
+    assert broken["routed"] == 0 and not broken["layer_norm_fwd_bwd_equal"][0]

@@ -4,7 +4,8 @@ MM_ADAPTOR_FAKE_NPU_PROBE=<dir>: after every optimizer step each rank writes <di
 parameter, gradient, main_grad, buffer and optimizer state it can find, torch.cuda lazy calls still queued, and the
 fake's counters (hccl calls, random draws, fp64 all-reduces).
 MM_ADAPTOR_FAKE_NPU_BREAK=rng|device: a deliberately broken NPU backend (its RNG redirect removed, or device='cuda'
-left unmapped) that the tests must catch.
+left unmapped) that the tests must catch; =composite: a broken fake (ops with a CPU kernel run their composite
+decomposition instead, see torch_npu/__init__.py).
 """
 
 from __future__ import annotations
@@ -89,5 +90,5 @@ def install() -> None:
         _break_rng()
     elif broken == "device":
         _break_device()
-    elif broken:
-        raise ValueError(f"{BREAK_ENV}={broken!r}: choose rng or device")
+    elif broken and broken != "composite":
+        raise ValueError(f"{BREAK_ENV}={broken!r}: choose rng, device or composite")

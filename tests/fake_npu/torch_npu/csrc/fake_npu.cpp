@@ -17,6 +17,8 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+#include <vector>
 
 namespace fake_npu {
 namespace {
@@ -142,6 +144,22 @@ void fallback_to_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   at::native::cpu_fallback(op, stack);
 }
 
+// Ops that have both a CPU kernel and a CompositeExplicitAutograd one (native_layer_norm, for one) would run
+// the composite decomposition on this device, not the CPU kernel: other roundings than the CPU backend's. Each
+// op named here runs its CPU kernel through the fallback instead (a real NPU has its own kernel for them).
+torch::Library* g_cpu_routes = nullptr;
+
+int64_t route_to_cpu_kernels(std::vector<std::string> names) {
+  if (!g_cpu_routes) {
+    g_cpu_routes = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__,
+                                      __LINE__);
+  }
+  for (const auto& name : names) {
+    g_cpu_routes->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback_to_cpu>());
+  }
+  return static_cast<int64_t>(names.size());
+}
+
 int64_t memory_allocated() { return g_allocated.load(); }
 int64_t max_memory_allocated() { return g_peak.load(); }
 int64_t allocations() { return g_allocations.load(); }
@@ -170,6 +188,7 @@ TORCH_LIBRARY(fake_npu, m) {
   m.def("set_device_count(int n) -> ()", &fake_npu::set_device_count);
   m.def("current_device() -> int", &fake_npu::current_device);
   m.def("set_device(int index) -> ()", &fake_npu::set_device);
+  m.def("route_to_cpu_kernels(str[] names) -> int", &fake_npu::route_to_cpu_kernels);
 }
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
