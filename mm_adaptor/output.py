@@ -132,8 +132,9 @@ def torchrun_store():
         return None
 
 
-def print_rank_zero_warnings_once(rank: int) -> None:
-    """Under torchrun: every rank's distinct warnings reach the user once (RankWarnings), not only rank 0's."""
+def print_every_ranks_warnings_once(rank: int) -> None:
+    """Under torchrun: each distinct warning of any rank is printed once (RankWarnings), another rank's line
+    prefixed with its rank; not only rank 0's warnings."""
     forward_rank_output(RankWarnings(rank, torchrun_store()).add)
 
 

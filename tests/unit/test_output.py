@@ -96,7 +96,7 @@ import os, warnings
 from mm_adaptor import output
 rank = int(os.environ["RANK"])
 warnings.simplefilter("always")
-output.print_rank_zero_warnings_once(rank)
+output.print_every_ranks_warnings_once(rank)
 warnings.warn("said by every rank")
 warnings.warn(f"said by rank {rank} only")
 warnings.warn("said by every rank")
