@@ -1,5 +1,6 @@
 """rms_norm: y = x / sqrt(mean(x^2) + eps) * weight over the last dim, fp32 accumulation (fp64 for fp64).
-Native kernels: csrc/cpu/rms_norm.cpp, csrc/cuda/; NPU: torch_npu.npu_rms_norm forward."""
+Native kernels: csrc/cpu/rms_norm.cpp, csrc/cuda/; NPU: torch_npu.npu_rms_norm and npu_rms_norm_backward (the
+reference where torch_npu documents no kernel: float64, a 1-D input, a weight dtype other than x's or float32)."""
 
 from __future__ import annotations
 
@@ -36,11 +37,30 @@ def fake_bwd(dy, x, weight, rstd):
     return torch.empty_like(x), torch.empty_like(weight)
 
 
+NPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def npu_serves(x, weight) -> bool:
+    """torch_npu's npu_rms_norm: x float16/bfloat16/float32 with 2 to 8 dims, gamma of x's dtype or float32."""
+    return x.dtype in NPU_DTYPES and 2 <= x.dim() <= 8 and weight.dtype in (x.dtype, torch.float32)
+
+
 def npu_fwd(x, weight, eps):
+    if not npu_serves(x, weight):
+        return reference_fwd(x, weight, eps)
     import torch_npu
 
-    y, rstd = torch_npu.npu_rms_norm(x, weight, epsilon=eps)
-    return y, rstd.reshape(-1).float()
+    y, rstd = torch_npu.npu_rms_norm(x, weight, epsilon=eps)  # rstd: float32, x's leading dims and a trailing 1
+    return y, rstd.reshape(-1)
+
+
+def npu_bwd(dy, x, weight, rstd):
+    if not npu_serves(x, weight):
+        return reference_bwd(dy, x, weight, rstd)
+    import torch_npu
+
+    dx, dw = torch_npu.npu_rms_norm_backward(dy, x, weight, rstd.reshape(*x.shape[:-1], 1))
+    return dx, dw.to(weight.dtype)  # torch_npu's dgamma is float32
 
 
 def setup_context(ctx, inputs, output):
@@ -58,7 +78,7 @@ SPECS = register(
     OpSpec("rms_norm_fwd", "(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)", reference_fwd, fake_fwd,
            native=("cpu", "cuda"), npu=npu_fwd, backward=backward, setup_context=setup_context),
     OpSpec("rms_norm_bwd", "(Tensor dy, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)", reference_bwd,
-           fake_bwd, native=("cpu", "cuda")),
+           fake_bwd, native=("cpu", "cuda"), npu=npu_bwd),
 )
 
 

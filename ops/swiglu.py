@@ -1,5 +1,6 @@
 """swiglu: Megatron's convention, a, b = x.chunk(2, -1); silu(a) * b. Backward recomputes silu from x.
-Native kernels: csrc/cpu/swiglu.cpp, csrc/cuda/; NPU: torch_npu.npu_swiglu forward."""
+Native kernels: csrc/cpu/swiglu.cpp, csrc/cuda/; NPU: torch_npu.npu_swiglu and npu_swiglu_backward (the reference
+for float64, which torch_npu documents no kernel for)."""
 
 from __future__ import annotations
 
@@ -31,10 +32,23 @@ def fake_bwd(dy, x):
     return torch.empty_like(x)
 
 
+NPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def npu_fwd(x):
+    if x.dtype not in NPU_DTYPES or x.numel() == 0:
+        return reference_fwd(x)
     import torch_npu
 
-    return torch_npu.npu_swiglu(x, dim=-1)
+    return torch_npu.npu_swiglu(x.contiguous(), dim=-1)  # torch_npu takes no non-contiguous input
+
+
+def npu_bwd(dy, x):
+    if x.dtype not in NPU_DTYPES or x.numel() == 0:
+        return reference_bwd(dy, x)
+    import torch_npu
+
+    return torch_npu.npu_swiglu_backward(dy.contiguous(), x.contiguous(), dim=-1)
 
 
 def setup_context(ctx, inputs, output):
@@ -49,7 +63,8 @@ def backward(ctx, dy):
 SPECS = register(
     OpSpec("swiglu_fwd", "(Tensor x) -> Tensor", reference_fwd, fake_fwd, native=("cpu", "cuda"), npu=npu_fwd,
            backward=backward, setup_context=setup_context),
-    OpSpec("swiglu_bwd", "(Tensor dy, Tensor x) -> Tensor", reference_bwd, fake_bwd, native=("cpu", "cuda")),
+    OpSpec("swiglu_bwd", "(Tensor dy, Tensor x) -> Tensor", reference_bwd, fake_bwd, native=("cpu", "cuda"),
+           npu=npu_bwd),
 )
 
 

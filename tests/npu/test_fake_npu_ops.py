@@ -44,3 +44,65 @@ def test_grouped_matmul_on_npu_matches_reference_with_zero_token_and_single_expe
         assert r[name] == {"device": "npu:0", "fwd": True, "dx": True, "dw": True}, (name, r[name])
     assert r["calls"] >= 3  # the NPU path (torch_npu.npu_grouped_matmul) ran, not the reference
     assert "strictly increasing" in r["list_group_list"] or "tensor group_list" in r["list_group_list"]
+
+
+FUSED = r"""
+import json, sys, torch, torch_npu
+sys.path.insert(0, __import__("os").getcwd())
+from mm_adaptor import devices
+devices.install("npu")
+import importlib
+rms, sw, rope = (importlib.import_module(f"mm_adaptor.ops.{m}") for m in ("rms_norm", "swiglu", "rotary_pos_emb"))
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float64: 1e-12}
+
+def compare(name, fn, ref, inputs, dtype):
+    # fn on npu tensors of `dtype` against ref (the op's plain-PyTorch reference) in float64 on the CPU, fwd and bwd
+    torch.manual_seed(1)
+    npu_in = [t.to(dtype).to("npu").requires_grad_() for t in inputs[0]]
+    y = fn(*npu_in, *inputs[1])
+    dy = torch.randn(y.shape, dtype=torch.float64)
+    y.backward(dy.to(dtype).to("npu"))
+    ref_in = [t.to(dtype).double().requires_grad_() for t in inputs[0]]
+    yr = ref(*ref_in, *inputs[1])
+    yr.backward(dy.to(dtype).double())
+    errors = [float((a.detach().cpu().double() - b.detach()).abs().max() / b.detach().abs().max().clamp_min(1e-30))
+              for a, b in [(y, yr), *[(t.grad, r.grad) for t, r in zip(npu_in, ref_in)]]]
+    return {"device": str(y.device), "ok": all(e <= TOL[dtype] for e in errors), "errors": errors}
+
+torch.manual_seed(0)
+results, before = {}, {}
+for dtype in (torch.float32, torch.bfloat16, torch.float64):
+    d = str(dtype).split(".")[-1]
+    before[d] = dict(torch_npu.ops.CALLS)
+    x, w = torch.randn(5, 3, 24) * 2, torch.rand(24) + 0.5
+    results[f"rms_norm_{d}"] = compare("rms", lambda x, w: rms.rms_norm(x, w, 1e-5),
+                                       lambda x, w: rms.reference_fwd(x, w, 1e-5)[0], ([x, w], []), dtype)
+    results[f"swiglu_{d}"] = compare("swiglu", sw.swiglu, sw.reference_fwd, ([torch.randn(7, 2, 30)], []), dtype)
+    for interleaved in (False, True):
+        for rot in (16, 10):  # all channels rotated, and partial rotary
+            t, freqs = torch.randn(6, 2, 3, 16), torch.rand(6, 1, 1, rot) * 6
+            if interleaved:
+                freqs = freqs[..., ::2].repeat_interleave(2, -1)
+            else:
+                freqs = torch.cat([freqs[..., : rot // 2]] * 2, -1)
+            results[f"rope_{'interleave' if interleaved else 'half'}_{rot}_{d}"] = compare(
+                "rope", lambda t: rope.rotary_pos_emb(t, freqs.to("npu"), interleaved),
+                lambda t: rope.reference_fwd(t, freqs.double(), interleaved), ([t], []), dtype)
+after = dict(torch_npu.ops.CALLS)
+calls = {d: {k: after.get(k, 0) - before[d].get(k, 0) for k in after} for d in before}
+print("RESULT=" + json.dumps({"results": results, "calls_from_float32": calls["float32"], "calls": after,
+                              "float64_calls": {k: v for k, v in after.items() if v != before["float64"].get(k, 0)}}))
+"""
+
+
+def test_fused_op_npu_paths_use_torch_npus_forward_and_backward_kernels_and_match_references():
+    r = run_python(FUSED, devices=1)
+    for name, result in r["results"].items():
+        assert result["device"] == "npu:0" and result["ok"], (name, result)
+    calls = r["calls"]
+    # float32 and bfloat16 ran torch_npu's kernels, forward and backward, both rotary modes (not the reference)
+    for op in ("npu_rms_norm", "npu_rms_norm_backward", "npu_swiglu", "npu_swiglu_backward", "npu_rotary_mul:half",
+               "npu_rotary_mul_backward:half", "npu_rotary_mul:interleave", "npu_rotary_mul_backward:interleave"):
+        assert calls.get(op, 0) >= 2, (op, calls)
+    # float64, which torch_npu documents no kernel for, ran the references
+    assert r["float64_calls"] == {}, r["float64_calls"]

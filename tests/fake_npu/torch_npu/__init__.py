@@ -26,8 +26,12 @@ from torch_npu import npu as _npu_module  # noqa: E402
 torch._register_device_module("npu", _npu_module)
 torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
 
-from torch_npu import _random, hccl, ops  # noqa: E402,F401
+from torch_npu import _random, fused_ops, fusion_attention, hccl, ops  # noqa: E402,F401
 from torch_npu.ops import *  # noqa: E402,F401,F403
+
+# torch.ops.npu.* operators with torch_npu's schemas, exposed as torch_npu.<name> as torch_npu does
+globals().update(fused_ops.register())
+globals().update(fusion_attention.register(fused_ops.LIB, fused_ops.define))
 
 _random.register()
 hccl.register()
