@@ -74,6 +74,17 @@ def fingerprint_signature(statements) -> str:
 _BLOCKS = (ast.If, ast.Try, ast.With, *((ast.TryStar,) if hasattr(ast, "TryStar") else ()))
 
 
+def _bound(target: ast.expr) -> set[str]:
+    """Names an assignment target binds (`f.warned = False` binds none: it sets an attribute of f)."""
+    if isinstance(target, ast.Name):
+        return {target.id}
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return set().union(*(_bound(item) for item in target.elts))
+    if isinstance(target, ast.Starred):
+        return _bound(target.value)
+    return set()
+
+
 def _bindings(body: list[ast.stmt], name: str) -> list[ast.stmt]:
     """Statements of one scope (and of its if/try/with blocks, not of nested defs) that bind `name`."""
     found: list[ast.stmt] = []
@@ -83,8 +94,7 @@ def _bindings(body: list[ast.stmt], name: str) -> list[ast.stmt]:
                 found.append(stmt)
         elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-            names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-            if name in names:
+            if any(name in _bound(t) for t in targets):
                 found.append(stmt)
         elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
             if any((alias.asname or alias.name.split(".")[0]) == name for alias in stmt.names):
@@ -123,13 +133,18 @@ class Resolver:
                 self._parsed[name] = (ast.parse(text), text, is_package)
         return self._parsed[name]
 
-    def find(self, target: str) -> Definition | None:
+    def module_of(self, target: str) -> tuple[str, list[str]] | None:
+        """(the longest module of the target's path that has source, the attribute chain after it)."""
         parts = target.split(".")
         for index in range(len(parts) - 1, 0, -1):
             module = ".".join(parts[:index])
             if self.module(module) is not None:
-                return self._lookup(module, parts[index:], depth=0)
+                return module, parts[index:]
         return None
+
+    def find(self, target: str) -> Definition | None:
+        found = self.module_of(target)
+        return None if found is None else self._lookup(*found, depth=0)
 
     def _lookup(self, module: str, chain: list[str], depth: int) -> Definition | None:
         if depth > 20:
@@ -220,6 +235,13 @@ def _read_file(path: str) -> str | None:
             return handle.read()
     except OSError:
         return None
+
+
+def installed_module(target: str) -> str | None:
+    """The installed module holding the target's path (None: none of it is installed, e.g. Megatron-LM's
+    megatron.training beside a megatron-core wheel that lacks it)."""
+    found = Resolver(installed_source).module_of(target)
+    return found[0] if found else None
 
 
 def installed_fingerprint(target: str, *, signature_only: bool = False) -> str | None:

@@ -47,7 +47,7 @@ FINGERPRINTS = {
     'megatron.core.tensor_parallel.layers.RowParallelLinear.forward': {'0.16.1': '2303f0fa89bdbd3f', '0.17.0': '56678b4bac587c2c', '0.18.0': '56678b4bac587c2c', '0.19.0': '04e422a3e83c8a2b'},
     'megatron.core.tensor_parallel.layers._grad_accum_fusion_available': {'0.16.1': '180488bc2c331f90', '0.17.0': '180488bc2c331f90', '0.18.0': '180488bc2c331f90', '0.19.0': '180488bc2c331f90'},
     'megatron.core.tensor_parallel.layers.fused_weight_gradient_mlp_cuda': {'0.16.1': 'd6d8b46fe991700c', '0.17.0': 'd6d8b46fe991700c', '0.18.0': 'd6d8b46fe991700c', '0.19.0': 'd6d8b46fe991700c'},
-    'megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce': {'0.16.1': '2a9fc495bb96d23d', '0.17.0': '8d084788e4220bff', '0.18.0': '8d084788e4220bff', '0.19.0': '094d7c5477d4fcec'},
+    'megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce': {'0.16.1': '2f6ac2653fb08124', '0.17.0': '1fb7c267b9f5993c', '0.18.0': '1fb7c267b9f5993c', '0.19.0': '77abc9813a8903dd'},
     'megatron.core.tensor_parallel.random._get_cuda_rng_state': {'0.16.1': '70bf5f7daf7748fd', '0.17.0': '70bf5f7daf7748fd', '0.18.0': '70bf5f7daf7748fd', '0.19.0': '70bf5f7daf7748fd'},
     'megatron.core.tensor_parallel.random._set_cuda_rng_state': {'0.16.1': 'd173c4dea727ebdb', '0.17.0': 'd173c4dea727ebdb', '0.18.0': 'd173c4dea727ebdb', '0.19.0': 'd173c4dea727ebdb'},
     'megatron.core.transformer.dot_product_attention.DotProductAttention.forward': {'0.16.1': '024a9005804395bc', '0.17.0': '024a9005804395bc', '0.18.0': '024a9005804395bc', '0.19.0': '024a9005804395bc'},

@@ -95,24 +95,52 @@ class FeatureVersions:
     verified: tuple[str, ...]
     targets: list[str]
     refusals: list[str] = field(default_factory=list)  # one line per changed function
+    absent_modules: list[str] = field(default_factory=list)  # targets whose module is not installed here
 
     @property
     def state(self) -> str:
-        return "serves" if not self.refusals else "refuses: " + "; ".join(self.refusals)
+        if self.refusals:
+            return "refuses: " + "; ".join(self.refusals)
+        if self.absent_modules:
+            return (f"not installed here ({', '.join(sorted(set(self.absent_modules)))}); checked when it is "
+                    "imported")
+        return "serves"
+
+
+def _pin_problem(patch: RegisteredPatch) -> str | None:
+    """The contract's explicit pin (`fingerprint=`) checked against the installed original, which it imports."""
+    from mm_adaptor.patching import _MISSING, Patch, PatchError, resolve
+
+    try:
+        owner, name = resolve(patch.target)
+    except PatchError as error:
+        return str(error)
+    original, _own = Patch._raw_attribute(owner, name)
+    if original is not _MISSING and contracts.fingerprint(original) != patch.contract.fingerprint:
+        return f"{patch.target}'s source differs from the one its patch pins"
+    return None
 
 
 def feature_states(installed: str | None = None) -> list[FeatureVersions]:
     """Per feature (or patch set), its verified versions and whether each megatron-core target it patches is
     unchanged here (the check applying it makes)."""
+    from mm_adaptor.fingerprints import installed_module
+
     installed = installed or contracts.installed_version() or "?"
-    by_owner: dict[str, list[str]] = {}
+    by_owner: dict[str, list[RegisteredPatch]] = {}
     for patch in registered_megatron_patches():
-        by_owner.setdefault(patch.owner, []).append(patch.target)
+        by_owner.setdefault(patch.owner, []).append(patch)
     states = []
-    for owner, targets in sorted(by_owner.items()):
-        state = FeatureVersions(owner, contracts.verified_versions(owner), targets)
-        for target in targets:
-            problem = contracts.megatron_problem(owner, target, installed)
+    for owner, patches in sorted(by_owner.items()):
+        state = FeatureVersions(owner, contracts.verified_versions(owner), [p.target for p in patches])
+        for patch in patches:
+            module = installed_module(patch.target)
+            if module is None or module.count(".") < 1:
+                state.absent_modules.append(".".join(patch.target.split(".")[:2]))
+                continue
+            problem = contracts.megatron_problem(owner, patch.target, installed)
+            if problem is None and patch.contract.fingerprint is not None:
+                problem = _pin_problem(patch)
             if problem:
                 state.refusals.append(problem)
         states.append(state)
