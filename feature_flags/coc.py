@@ -1,6 +1,8 @@
 """--use-coc [--coc-parallel-num N] (alias --use-ascend-coc): tensor-parallel collectives run chunk by chunk,
 overlapped with the matmuls of the other chunks."""
 
+from collections import Counter
+
 from mm_adaptor.features import Feature, FeatureConfigError, Flag, Tolerance, register, require_local_spec
 
 MAIN, ALIAS, CHUNKS = "--use-coc", "--use-ascend-coc", "--coc-parallel-num"
@@ -33,6 +35,9 @@ class ComputeOverlappedCommunication(Feature):
         "than two ranks may be summed in another order for a smaller tensor; measured bit-for-bit in every tested "
         "dense layout"))
 
+    def __init__(self):
+        self.chunked_calls = Counter()  # forward calls that went by chunks, per kind of linear, in this process
+
     def is_enabled(self, options) -> bool:
         # the chunk count alone counts as asking, so that validate can refuse it
         return any(getattr(options, dest, None) for dest in ("use_coc", "use_ascend_coc", "coc_parallel_num"))
@@ -44,22 +49,20 @@ class ComputeOverlappedCommunication(Feature):
         require_local_spec(self, options)
 
     def statistics(self):
-        from mm_adaptor.patches.tensor_parallel import coc
-
-        return {f"chunked {kind} calls": n for kind, n in sorted(coc.CALLS.items())} or None
+        return {f"chunked {kind} calls": n for kind, n in sorted(self.chunked_calls.items())} or None
 
     def patch_sets(self, options):
         from mm_adaptor.patches.tensor_parallel import coc
         from mm_adaptor.patches.transformer import coc_experts
         from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
-        chunks = chunks_of(options)
+        linears = coc.ChunkedLinears(chunks_of(options), calls=self.chunked_calls)
         contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
         ps = PatchSet(self.name)
-        ps.wrap(LINEAR, coc.linear_chunked_under_sequence_parallel(chunks), contract=contract)
-        ps.wrap(ROW_FORWARD, coc.row_parallel_forward_chunked(chunks), contract=contract)
-        ps.wrap(COLUMN_FORWARD, coc.column_parallel_expert_forward_chunked(chunks), contract=contract)
-        ps.wrap(ROUTED_EXPERTS, coc_experts.routed_experts_compute_chunked(chunks), contract=contract)
+        ps.wrap(LINEAR, linears.linear_under_sequence_parallel, contract=contract)
+        ps.wrap(ROW_FORWARD, linears.row_parallel_forward, contract=contract)
+        ps.wrap(COLUMN_FORWARD, linears.column_parallel_expert_forward, contract=contract)
+        ps.wrap(ROUTED_EXPERTS, coc_experts.routed_experts_compute_chunked(linears), contract=contract)
         return [ps]
 
 

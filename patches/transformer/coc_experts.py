@@ -4,7 +4,7 @@ Megatron gathers every expert-TP rank's tokens (one all-gather), sorts them by l
 its rows and reduce-scatters the result (one reduce-scatter). Here each rank sorts its own tokens by local expert
 instead, and each expert's fc1 gathers that expert's rows from the expert-TP ranks chunk by chunk, multiplying
 each chunk while the next is in flight, and its fc2 reduce-scatters them back chunk by chunk
-(patches/tensor_parallel/coc.py, with the uneven row counts the router produced). Rank r's rows of expert e are
+(patches/tensor_parallel/coc*.py, with the uneven row counts the router produced). Rank r's rows of expert e are
 the same rows in the same order as in megatron's sorted gather (rank-major, then source EP rank), so every expert
 sees megatron's rows; the routing probabilities take megatron's own gather and sort."""
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mm_adaptor.patches.tensor_parallel import coc
+from mm_adaptor.patches.tensor_parallel.coc import ChunkedLinears
 
 
 def _eligible(layer, chunks: int) -> bool:
@@ -33,11 +33,12 @@ def _local_sort(num_local_experts: int, ep: int):
     return forward, backward
 
 
-def routed_experts_compute_chunked(chunks: int):
-    """Wrapper of MoELayer.routed_experts_compute (dispatch_postprocess, experts, combine_preprocess)."""
+def routed_experts_compute_chunked(linears: ChunkedLinears):
+    """Wrapper of MoELayer.routed_experts_compute (dispatch_postprocess, experts, combine_preprocess); each
+    expert's linears go by chunks through `linears`, the same application's column- and row-parallel wrappers."""
 
     def wrapper(wrapped, instance, args, kwargs):
-        if not _eligible(instance, chunks):
+        if not _eligible(instance, linears.chunks):
             return wrapped(*args, **kwargs)
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
         from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
@@ -64,7 +65,7 @@ def routed_experts_compute_chunked(chunks: int):
         outputs, local_at, gathered_at = [], 0, 0
         for expert, expert_rows in zip(instance.experts.local_experts, rows):
             own, total = expert_rows[d.tp_rank], sum(expert_rows)
-            with coc.expert_collectives(expert_rows, d.probs.dtype):
+            with linears.expert_collectives(expert_rows, d.probs.dtype):
                 output, _bias = expert(tokens[local_at:local_at + own], all_probs[gathered_at:gathered_at + total])
             outputs.append(output)
             local_at, gathered_at = local_at + own, gathered_at + total

@@ -17,7 +17,7 @@ class ChunksInTheWrongOrder(Feature):
 
         ps = PatchSet(self.name)
         ps.wrap("megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce",
-                coc.linear_chunked_under_sequence_parallel(2))
-        ps.replace("mm_adaptor.patches.tensor_parallel.coc.AllGatherMatmul.slot",
+                coc.ChunkedLinears(2).linear_under_sequence_parallel)
+        ps.replace("mm_adaptor.patches.tensor_parallel.coc_autograd.AllGatherMatmul.slot",
                    staticmethod(lambda c, chunks: (c + 1) % chunks))
         return [ps]

@@ -146,12 +146,11 @@ def _worker(rank, port, results):
             _row_case(rank, rows, chunks, group, sequence_parallel=False)
         for counts, chunks in (([9, 5], 2), ([9, 5], 4), ([1, 6], 4), ([0, 3], 2), ([0, 0], 4)):
             _uneven_cases(rank, counts, chunks, group)
-        coc.TRACE = []
+        trace = []
         x = _rand(7, 8, BATCH, HIDDEN).requires_grad_()
         w = _rand(8, OUT, HIDDEN).requires_grad_()
-        coc.AllGatherMatmul.apply(x, w, None, False, 4, group).sum().backward()
-        results[rank] = list(coc.TRACE)
-        coc.TRACE = None
+        coc.AllGatherMatmul.apply(x, w, None, False, 4, group, None, trace).sum().backward()
+        results[rank] = trace
     finally:
         dist.destroy_process_group()
 
