@@ -58,7 +58,7 @@ def status() -> dict:
                                "native, not built yet: builds on first use or with `mm-adaptor build-ops`")
         except builder.BuildUnavailable as exc:
             devices[device] = f"reference fallback: {exc}"
-    note = ("flash_attention runs PyTorch's fused SDPA kernels (flash / memory-efficient) on every device, and a "
-            "blockwise fp32 kernel in PyTorch ops for attention dropout on the CPU; the other ops have their own "
-            "kernels")
+    note = ("flash_attention runs PyTorch's fused SDPA kernels (flash / memory-efficient) on CUDA and the CPU, "
+            "torch_npu's npu_fusion_attention on an NPU, and a blockwise fp32 kernel in PyTorch ops where those "
+            "cannot serve (attention dropout on the CPU); the other ops have their own kernels")
     return {"devices": devices, "ops": OP_NAMES, "note": note, "cache": str(builder.cache_root())}

@@ -5,6 +5,9 @@ PyTorch's fused SDPA kernels are already operators with their own autograd that 
 for backward (no s x s matrix); this function restricts SDPA to those kernels (an error instead of a silent
 fall-back to the s x s math path), handles grouped-query attention and Megatron's masks.
 
+On an Ascend NPU it runs torch_npu.npu_fusion_attention (npu_attention.py), never torch_npu's SDPA (which may fall
+back to the s x s math path silently); where that kernel cannot serve, the blockwise fp32 path, with one warning.
+
 Masking follows Megatron's DotProductAttention (scores of masked positions become -10000 before the softmax):
 a row whose keys are all masked attends uniformly to every key (on the fused kernels with dropout, without
 dropout on that row: the kernels' mask is not ours to apply).
@@ -12,14 +15,16 @@ dropout on that row: the kernels' mask is not ours to apply).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 FUSED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 # Devices whose fused SDPA kernels take a dropout probability (drawn from the device generator, seed kept for
-# backward); on the CPU the fused kernels refuse dropout.
-FUSED_DROPOUT_DEVICES = ("cuda", "npu")
+# backward); on the CPU the fused kernels refuse dropout (the NPU runs npu_fusion_attention, not SDPA).
+FUSED_DROPOUT_DEVICES = ("cuda",)
 MASKED_SCORE = -10000.0  # megatron's attention_mask_func
 # Score elements per block of query rows in the blockwise path (b * h * rows * sk).
 BLOCK_ELEMENTS = 1 << 22
@@ -42,10 +47,28 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"flash_attention: dropout_p must be in [0, 1], got {dropout_p}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if q.device.type == "npu":
+        return _npu_attention(q, k, v, causal, attention_mask, scale, float(dropout_p))
     fused_serves = v.shape[-1] == q.shape[-1] and (dropout_p == 0 or q.device.type in FUSED_DROPOUT_DEVICES)
     if not fused_serves:
         return BlockwiseAttention.apply(q, k, v, attention_mask, causal, scale, float(dropout_p))
     return _fused_attention(q, k, v, causal, attention_mask, scale, dropout_p)
+
+
+def _npu_attention(q, k, v, causal, attention_mask, scale, dropout_p):
+    from mm_adaptor.ops import npu_attention
+
+    why = npu_attention.why_not(q, k, v)
+    if why is None:
+        return npu_attention.fusion_attention(q, k, v, causal, attention_mask, scale, dropout_p)
+    if why not in _NPU_WARNED:
+        _NPU_WARNED.add(why)
+        warnings.warn(f"flash_attention on NPU: npu_fusion_attention does not take {why}; the blockwise fp32 kernel "
+                      "runs instead (no s x s matrix kept, slower)", RuntimeWarning, stacklevel=3)
+    return BlockwiseAttention.apply(q, k, v, attention_mask, causal, scale, dropout_p)
+
+
+_NPU_WARNED: set = set()
 
 
 def _fused_attention(q, k, v, causal, attention_mask, scale, dropout_p):

@@ -106,3 +106,65 @@ def test_fused_op_npu_paths_use_torch_npus_forward_and_backward_kernels_and_matc
         assert calls.get(op, 0) >= 2, (op, calls)
     # float64, which torch_npu documents no kernel for, ran the references
     assert r["float64_calls"] == {}, r["float64_calls"]
+
+
+ATTENTION = r"""
+import json, sys, warnings, torch, torch_npu
+sys.path.insert(0, __import__("os").getcwd())
+from mm_adaptor import devices
+devices.install("npu")
+import importlib
+attention = importlib.import_module("mm_adaptor.ops.attention")
+
+def case(sq, sk, hq, hkv, causal, mask, dtype=torch.float32, dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    q, k, v = torch.randn(sq, 2, hq, 8), torch.randn(sk, 2, hkv, 8), torch.randn(sk, 2, hkv, 8)
+    dy = torch.randn(sq, 2, hq, 8)
+    npu = [t.to(dtype).to("npu").requires_grad_() for t in (q, k, v)]
+    torch.npu.manual_seed(5)
+    y = attention.flash_attention(*npu, causal=causal, attention_mask=None if mask is None else mask.to("npu"),
+                                  scale=0.3, dropout_p=dropout)
+    y.backward(dy.to(dtype).to("npu"))
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    yr = attention.BlockwiseAttention.apply(*ref, mask, causal, 0.3, 0.0)
+    yr.backward(dy.double())
+    pairs = [(y, yr), *[(a.grad, b.grad) for a, b in zip(npu, ref)]]
+    err = max(float((a.detach().cpu().double() - b.detach()).abs().max()) for a, b in pairs)
+    return {"device": str(y.device), "err": err, "out": y.detach().cpu().double(), "dq": npu[0].grad.cpu().double()}
+
+calls, out = torch_npu.ops.CALLS, {}
+padding = torch.zeros(2, 1, 1, 6, dtype=torch.bool); padding[1, ..., 4:] = True
+rows = torch.zeros(2, 1, 6, 6, dtype=torch.bool); rows[0, :, 2, :] = True  # one row with every key masked
+cases = {"causal_gqa": (6, 6, 4, 2, True, None), "causal_sq_lt_sk": (4, 6, 2, 2, True, None),
+         "causal_sq_gt_sk": (6, 4, 2, 1, True, None), "padding_causal": (6, 6, 2, 2, True, padding),
+         "fully_masked_row": (6, 6, 2, 2, False, rows), "no_mask": (5, 7, 2, 2, False, None)}
+for name, args in cases.items():
+    before = dict(calls)
+    r = case(*args)
+    out[name] = {"device": r["device"], "err": r["err"],
+                 "fusion": calls.get("npu_fusion_attention", 0) - before.get("npu_fusion_attention", 0),
+                 "grad": calls.get("npu_fusion_attention_grad", 0) - before.get("npu_fusion_attention_grad", 0)}
+out["bf16_err"] = case(6, 6, 4, 2, True, None, dtype=torch.bfloat16)["err"]
+plain, drop1, drop2 = (case(6, 6, 2, 2, True, None, dropout=p) for p in (0.0, 0.3, 0.3))
+out["dropout"] = {"differs": not torch.equal(plain["out"], drop1["out"]),
+                  "repeats": torch.equal(drop1["out"], drop2["out"]) and torch.equal(drop1["dq"], drop2["dq"])}
+before = calls.get("npu_fusion_attention", 0)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out["fp64_err"] = case(6, 6, 2, 2, True, None, dtype=torch.float64)["err"]
+out["fp64_fusion_calls"] = calls.get("npu_fusion_attention", 0) - before
+out["fp64_warning"] = [str(w.message) for w in caught if "npu_fusion_attention" in str(w.message)]
+print("RESULT=" + json.dumps(out))
+"""
+
+
+def test_flash_attention_on_npu_runs_npu_fusion_attention_and_matches_the_reference():
+    r = run_python(ATTENTION, devices=1)
+    for name in ("causal_gqa", "causal_sq_lt_sk", "causal_sq_gt_sk", "padding_causal", "fully_masked_row", "no_mask"):
+        assert r[name]["device"] == "npu:0" and r[name]["err"] < 1e-5, (name, r[name])
+        assert r[name]["fusion"] == 1 and r[name]["grad"] == 1, (name, r[name])  # torch_npu's kernel, fwd and bwd
+    assert r["bf16_err"] < 5e-2
+    # dropout from the npu generator: the same seed repeats the masks, forward and backward
+    assert r["dropout"] == {"differs": True, "repeats": True}
+    # float64, which npu_fusion_attention does not take: the blockwise kernel, with a warning saying so
+    assert r["fp64_err"] < 1e-12 and r["fp64_fusion_calls"] == 0 and len(r["fp64_warning"]) == 1
