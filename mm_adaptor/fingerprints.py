@@ -53,9 +53,21 @@ def _copy(node: ast.AST) -> ast.AST:
     return copy.deepcopy(node)  # the parsed trees are cached: strip docstrings from a copy
 
 
+def canonical(value) -> str:
+    """The tree as text, without positions and without empty fields, so that the same code reads the same on every
+    Python (3.12 added FunctionDef.type_params, empty for code that has none; ast.dump would print it)."""
+    if isinstance(value, ast.AST):
+        fields = ((name, getattr(value, name, None)) for name in value._fields)
+        return f"{type(value).__name__}(" + ", ".join(
+            f"{name}={canonical(item)}" for name, item in fields if item is not None and item != []) + ")"
+    if isinstance(value, list):
+        return "[" + ", ".join(canonical(item) for item in value) + "]"
+    return repr(value)
+
+
 def fingerprint_statements(statements) -> str:
     """16 hex digits for the statements' code: positions, comments, formatting and docstrings do not count."""
-    dumped = "\n".join(ast.dump(_strip_docstrings(node), include_attributes=False) for node in statements)
+    dumped = "\n".join(canonical(_strip_docstrings(node)) for node in statements)
     return hashlib.sha256(dumped.encode()).hexdigest()[:16]
 
 
@@ -68,7 +80,7 @@ def fingerprint_signature(statements) -> str:
     for item in ast.walk(arguments):
         if isinstance(item, ast.arg):
             item.annotation = None
-    return "sig:" + hashlib.sha256(ast.dump(arguments, include_attributes=False).encode()).hexdigest()[:12]
+    return "sig:" + hashlib.sha256(canonical(arguments).encode()).hexdigest()[:12]
 
 
 _BLOCKS = (ast.If, ast.Try, ast.With, *((ast.TryStar,) if hasattr(ast, "TryStar") else ()))

@@ -2,6 +2,7 @@
 Megatron-LM's tags matches the installed release, a changed function refuses only the features patching it (one
 line naming it), a megatron-core outside the range warns once and serves what matches."""
 
+import ast
 import inspect
 import subprocess
 import sys
@@ -115,6 +116,17 @@ def test_comments_docstrings_and_formatting_do_not_count_but_code_does():
     assert print_of("pkg.mod.f", V1.replace("x + y", "x - y")) != print_of("pkg.mod.f", V1)
     assert print_of("pkg.mod.C.g", V1.replace("x + y", "x - y")) == print_of("pkg.mod.C.g", V1)
     assert print_of("pkg.mod.nothing", V1) is None
+
+
+def test_fields_a_newer_python_adds_empty_do_not_count(monkeypatch):
+    """Python 3.12 added FunctionDef.type_params (empty here): the table made on one Python must match on another."""
+    node = ast.parse("def f(x):\n    return x\n").body[0]
+    before = fingerprints.fingerprint_statements([node])
+    monkeypatch.setattr(ast.FunctionDef, "_fields", (*ast.FunctionDef._fields, "added_later"))
+    node.added_later = []
+    assert fingerprints.fingerprint_statements([node]) == before
+    node.added_later = [ast.Name("T")]
+    assert fingerprints.fingerprint_statements([node]) != before
 
 
 def test_inherited_methods_are_found_in_the_base_module():
