@@ -191,20 +191,22 @@ class Contract:
         if self.fingerprint is not None:
             actual = fingerprint(original)
             if actual != self.fingerprint:
-                problems.append(f"the original's source changed (fingerprint {actual}, expected {self.fingerprint})")
+                where = f"{target}: " if self.package == MEGATRON_CORE else ""
+                problems.append(f"{where}the original's source changed (fingerprint {actual}, expected "
+                                f"{self.fingerprint})")
         return problems, installed
 
     def check(self, original, *, feature: str, target: str) -> None:
         problems, installed = self.problems(original, feature=feature, target=target)
         if not problems:
             return
-        found = f"{self.package} {installed}" if installed else f"{self.package} (not installed)"
-        supported = (f"verified on {self.package} {' and '.join(verified_versions(feature))}"
-                     if self.package == MEGATRON_CORE else f"this patch supports {self.package} {self.versions}")
-        message = (
-            f"feature {feature or '?'!r} cannot patch {target}: {'; '.join(problems)}; installed: {found}; "
-            f"{supported}; set {ALLOW_MISMATCH_ENV}=1 to downgrade this to a warning"
-        )
+        if self.package == MEGATRON_CORE and installed is not None:  # each problem names the function and versions
+            message = f"feature {feature or '?'!r} refuses: {'; '.join(problems)}"
+        else:
+            found = f"{self.package} {installed}" if installed else f"{self.package} (not installed)"
+            message = (f"feature {feature or '?'!r} cannot patch {target}: {'; '.join(problems)}; installed: {found}; "
+                       f"this patch supports {self.package} {self.versions}")
+        message += f"; set {ALLOW_MISMATCH_ENV}=1 to downgrade this to a warning"
         if _mismatch_allowed():
             warnings.warn(message, PatchContractWarning, stacklevel=4)
             return
