@@ -2,7 +2,7 @@
 
 MM_ADAPTOR_FAKE_NPU_PROBE=<dir>: after every optimizer step each rank writes <dir>/rank<N>.json: the devices of every
 parameter, gradient, main_grad, buffer and optimizer state it can find, torch.cuda lazy calls still queued, and the
-fake's counters (hccl calls, random draws, fp64 all-reduces).
+fake's counters (hccl calls, random draws, fp64 all-reduces, torch_npu op calls).
 MM_ADAPTOR_FAKE_NPU_BREAK=rng|device: a deliberately broken NPU backend (its RNG redirect removed, or device='cuda'
 left unmapped) that the tests must catch; =composite: a broken fake (ops with a CPU kernel run their composite
 decomposition instead, see torch_npu/__init__.py).
@@ -31,7 +31,7 @@ def _where(traceback_lines) -> str:
 
 
 def _snapshot(optimizer) -> dict:
-    from torch_npu import _random, hccl
+    from torch_npu import _random, hccl, ops
 
     params = [p for group in optimizer.param_groups for p in group["params"]]
     modules = [m for m in gc.get_objects() if isinstance(m, torch.nn.Module) and type(m).__name__ == "GPTModel"]
@@ -52,6 +52,7 @@ def _snapshot(optimizer) -> dict:
         # beyond the ones torch.cuda queues for itself on import
         "queued_cuda_lazy_calls": [_where(tb) for _call, tb in torch.cuda._queued_calls[_QUEUED_AT_IMPORT:]],
         "hccl_calls": dict(hccl.CALLS), "draws": dict(_random.DRAWS), "fp64_all_reduces": fp64,
+        "npu_ops": dict(ops.CALLS),
     }
 
 
