@@ -1,7 +1,8 @@
 """Where each feature has run, per device: what this project has seen run and checked, not what it expects.
 
 States: "verified" (ran there and passed check against unpatched Megatron), "stand-in" (its code path ran only on a
-stand-in for the device, e.g. the CPU backend's no-op streams), "not run". `mm-adaptor report` prints these, and
+stand-in for the device, e.g. the CPU backend's no-op streams, or the fake npu: never "verified" for an NPU without
+Ascend hardware), "not run". `mm-adaptor report` prints these, and
 the README's feature table says the same. Change a state only with the run that justifies it (a RESULTS.md entry)."""
 
 from __future__ import annotations
@@ -25,36 +26,60 @@ class Record:
 CPU_CHECKED = "check against unpatched Megatron on the CPU backend over gloo in CI (tests/distributed)"
 NO_GPU = "no GPU run recorded"
 NO_NPU = "no NPU run recorded (torch_npu path written against its documented API)"
-FAKE_NPU_RAN = ("the NPU backend trained the tiny GPT on a FAKE npu device in CI (tests/fake_npu: PyTorch's "
-                "PrivateUse1 on host memory, the CPU fallback for ops, its own generator, an 'hccl' over gloo; "
-                "tests/npu): TP2+SP and PP2 print the CPU backend's loss lines, DP2 with the distributed optimizer and "
-                "EP2 MoE within 1e-6; every parameter, gradient and optimizer state on npu, no torch.cuda lazy call "
-                "queued, dropout masks agree across TP ranks and under full recompute")
+FAKE_NPU = ("a FAKE npu device in CI (tests/fake_npu: PyTorch's PrivateUse1 on host memory, each op's CPU kernel, its "
+            "own generator, an 'hccl' over gloo refusing fp64, torch_npu's ops as reference math with its schemas)")
+FAKE_NPU_RAN = (f"the NPU backend trained the tiny GPT on {FAKE_NPU} (tests/npu): TP2+SP, PP2, DP2 with the "
+                "distributed optimizer and EP2 MoE give the CPU backend's losses and grad norms bit for bit; every "
+                "parameter, gradient and optimizer state on npu, no torch.cuda lazy call queued, dropout masks agree "
+                "across TP ranks and under full recompute")
 NPU_HARDWARE_ONLY = ("only Ascend hardware can show: kernel numerics, HCCL itself (its timeouts, topology, "
                      "fp64 refusals as the real library words them), stream concurrency, swapped memory, speed; "
                      "no NPU run recorded")
+NPU_CHECK = "tests/npu/test_npu_check.py"
+
+
+def _fake_npu_check(layout: str, kernels: str = "") -> Record:
+    """The feature's code path on the NPU backend passed `mm-adaptor check` on the fake npu, nothing more."""
+    ran = f"; torch_npu's {kernels} ran (the fake's reference math)" if kernels else ""
+    return Record("stand-in", f"mm-adaptor check passed on {FAKE_NPU}, {layout} ({NPU_CHECK}){ran}; "
+                              f"{NPU_HARDWARE_ONLY}")
+
+
+TP2_DISTOPT = "TP2+SP with the distributed optimizer"
+EP2_BF16 = "EP2 MoE in bf16"
+PP2_VPP = "PP2 with VPP2"
 CUDA_COMPILED = "CUDA kernels compile-checked with nvcc; " + NO_GPU
 STREAMS_ON_CPU = "side streams, events and pinned memory ran only as the CPU backend's no-ops; " + NO_GPU
 
 
-def _same_everywhere(cuda: str, npu: str = NO_NPU, cpu: str = CPU_CHECKED) -> dict[str, Record]:
-    return {"cpu": Record("verified", cpu), "cuda": Record("not run", cuda), "npu": Record("not run", npu)}
+def _same_everywhere(cuda: str, npu: Record | None = None, cpu: str = CPU_CHECKED) -> dict[str, Record]:
+    return {"cpu": Record("verified", cpu), "cuda": Record("not run", cuda), "npu": npu or Record("not run", NO_NPU)}
 
 
 FEATURES: dict[str, dict[str, Record]] = {
-    "coc": _same_everywhere("NCCL overlap " + NO_GPU + " (needs two GPUs)"),
-    "flash-attn": _same_everywhere(NO_GPU),
-    "fused-gmm": _same_everywhere(CUDA_COMPILED),
-    "fused-rmsnorm": _same_everywhere(CUDA_COMPILED),
-    "fused-rotary-pos-emb": _same_everywhere(CUDA_COMPILED),
-    "fused-swiglu": _same_everywhere(CUDA_COMPILED),
-    "optimize-vocab-parallel-ce": _same_everywhere(NO_GPU),
-    "recompute-activation-function": _same_everywhere(NO_GPU),
-    "reuse-fp32-param": _same_everywhere(CUDA_COMPILED),
-    "swap-attention": _same_everywhere(STREAMS_ON_CPU),
-    "swap-optimizer": _same_everywhere(STREAMS_ON_CPU),
-    "virtual-optimizer": _same_everywhere("mapped host memory (host_mapped_copy) " + CUDA_COMPILED),
-    "vpp-extra-warmup": _same_everywhere(NO_GPU),
+    "coc": _same_everywhere("NCCL overlap " + NO_GPU + " (needs two GPUs)", _fake_npu_check(TP2_DISTOPT)),
+    "flash-attn": _same_everywhere(NO_GPU, _fake_npu_check(
+        TP2_DISTOPT, "npu_fusion_attention and npu_fusion_attention_grad")),
+    "fused-gmm": _same_everywhere(CUDA_COMPILED, _fake_npu_check(EP2_BF16, "npu_grouped_matmul")),
+    "fused-rmsnorm": _same_everywhere(CUDA_COMPILED, _fake_npu_check(TP2_DISTOPT,
+                                                                     "npu_rms_norm and npu_rms_norm_backward")),
+    "fused-rotary-pos-emb": _same_everywhere(CUDA_COMPILED, _fake_npu_check(
+        TP2_DISTOPT, "npu_rotary_mul and npu_rotary_mul_backward (rotary_mode 'interleave' in tests/npu only)")),
+    "fused-swiglu": _same_everywhere(CUDA_COMPILED, _fake_npu_check(TP2_DISTOPT,
+                                                                    "npu_swiglu and npu_swiglu_backward")),
+    "optimize-vocab-parallel-ce": _same_everywhere(NO_GPU, _fake_npu_check(TP2_DISTOPT)),
+    "recompute-activation-function": _same_everywhere(NO_GPU, _fake_npu_check(TP2_DISTOPT)),
+    "reuse-fp32-param": _same_everywhere(CUDA_COMPILED, _fake_npu_check(EP2_BF16)),
+    "swap-attention": _same_everywhere(STREAMS_ON_CPU, _fake_npu_check(
+        TP2_DISTOPT + " (the fake's streams are synchronous)")),
+    "swap-optimizer": _same_everywhere(STREAMS_ON_CPU, _fake_npu_check(
+        TP2_DISTOPT + " (the fake's streams are synchronous)")),
+    "virtual-optimizer": _same_everywhere(
+        "mapped host memory (host_mapped_copy) " + CUDA_COMPILED,
+        Record("not run", "torch_npu's swapped-memory tensors (empty_with_swapped_memory) take only fill_, zero_ and "
+                          "npu_apply_adam_w by its documentation; the NPU path is not written within that limit and "
+                          "the fake has no swapped memory (docs/npu.md); " + NO_NPU)),
+    "vpp-extra-warmup": _same_everywhere(NO_GPU, _fake_npu_check(PP2_VPP)),
 }
 
 BACKENDS: dict[str, Record] = {

@@ -82,3 +82,21 @@ def test_check_passes_on_the_fake_npu_with_the_npu_kernels(checks, name):
         for kernel in KERNELS[name]:
             assert probe["npu_ops"].get(kernel, 0) > 0, (kernel, probe["npu_ops"])
     assert any(p["hccl_calls"] for p in probes.values())
+
+
+def test_verification_records_of_the_npu_say_what_this_module_ran():
+    """The npu records are 'stand-in' exactly for the features checked here (never 'verified': no Ascend run), and
+    each names the runs' layout and test."""
+    from mm_adaptor import verification
+
+    by_flag = _flag_to_feature()
+    layouts = {"tp2_sp_distopt": verification.TP2_DISTOPT, "ep2_moe_bf16": verification.EP2_BF16,
+               "pp2_vpp": verification.PP2_VPP}
+    for run, (flags, _) in RUNS.items():
+        for feature in {by_flag[t] for t in flags if t in by_flag}:
+            record = verification.record(feature, "npu")
+            assert record.state == "stand-in" and layouts[run] in record.evidence, (feature, record)
+            assert verification.NPU_CHECK.endswith(Path(__file__).name) and "FAKE" in record.evidence
+    for feature in NOT_ON_THE_FAKE:
+        assert verification.record(feature, "npu").state == "not run"
+    assert verification.BACKENDS["npu"].state == "stand-in"
