@@ -7,82 +7,15 @@ the backward GEMMs of megatron's linear layers. The harness runs it once per con
 configuration's noise reference; `mm-adaptor calibrate` also judges a second perturbation (thirds) against the first,
 which must pass: a legitimate change of rounding is not a failure.
 
-Importing this module registers the perturbation as a feature (`--calibration-split-k`), which is how the
-training ranks get it (MM_ADAPTOR_FEATURE_MODULES); it is never registered otherwise.
+The perturbation itself (a feature registered when split_k.py is imported) lives in split_k.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mm_adaptor.features import Feature, Flag, Tolerance, register
-from mm_adaptor.patching import PatchSet
-
-FLAG = "--calibration-split-k"
-PARTS_FLAG = "--calibration-split-k-parts"
-MODULE = __name__
-
-
-def _split_k(matmul, parts):
-    def split(a, b, *args, **kwargs):
-        if args or kwargs or a.dim() < 2 or b.dim() < 2 or a.shape[-1] < 2:
-            return matmul(a, b, *args, **kwargs)
-        cut = max(1, a.shape[-1] // parts)
-        return matmul(a[..., :cut], b[..., :cut, :]) + matmul(a[..., cut:], b[..., cut:, :])
-
-    return split
-
-
-def _split_k_baddbmm(baddbmm, bmm, parts):
-    split_bmm = _split_k(bmm, parts)
-
-    def split(input, batch1, batch2, *, beta=1, alpha=1, out=None):
-        if out is not None:
-            return baddbmm(input, batch1, batch2, beta=beta, alpha=alpha, out=out)
-        product = split_bmm(batch1, batch2)
-        if alpha != 1:
-            product = product * alpha
-        return product if beta == 0 else input * beta + product
-
-    return split
-
-
-def _split_k_linear(matmul, parts):
-    split_matmul = _split_k(matmul, parts)
-
-    def split(input, weight, bias=None):
-        out = split_matmul(input, weight.t())
-        return out if bias is None else out + bias
-
-    return split
-
-
-def perturbation_patches(parts: int = 2) -> PatchSet:
-    import torch
-
-    ps = PatchSet("calibration-split-k")
-    matmul, bmm = torch.matmul, torch.bmm
-    ps.replace("torch.matmul", _split_k(matmul, parts))
-    ps.replace("torch.Tensor.matmul", _split_k(torch.Tensor.matmul, parts))
-    ps.replace("torch.Tensor.__matmul__", _split_k(torch.Tensor.__matmul__, parts))
-    ps.replace("torch.bmm", _split_k(bmm, parts))
-    ps.replace("torch.baddbmm", _split_k_baddbmm(torch.baddbmm, bmm, parts))
-    ps.replace("torch.nn.functional.linear", _split_k_linear(matmul, parts))
-    return ps
-
-
-@register
-class SplitKPerturbation(Feature):
-    name = "calibration-split-k"
-    description = ("harness calibration only: every matrix product summed in parts along its inner dimension "
-                   "(the same math, Megatron's own rounding noise)")
-    flags = (Flag(FLAG, description),
-             Flag(PARTS_FLAG, "the first part is 1/N of the inner dimension (default 2)", type=int, default=2))
-    tolerance = Tolerance(exact=False, why="a different rounding of the same math")
-
-    def patch_sets(self, options):
-        return [perturbation_patches(getattr(options, "calibration_split_k_parts", 2))]
-
+from mm_adaptor.harness.compare import compare, extra_feature_module
+from mm_adaptor.harness.split_k import FLAG, MODULE, PARTS_FLAG
 
 MODELS = {"gpt": [], "llama": ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope"]}
 PRECISIONS = {"fp32": [], "bf16": ["--bf16"]}
@@ -100,14 +33,12 @@ class NoiseRow:
 def calibrate(layouts, precisions, models, *, iters: int = 4, progress=None) -> list[NoiseRow]:
     """Per configuration: the noise reference's largest statistics, and a second rounding perturbation judged by the
     harness against limits derived from the first (it must pass)."""
-    from mm_adaptor import harness
-
     rows = []
-    with harness.extra_feature_module(MODULE):
+    with extra_feature_module(MODULE):
         for layout in layouts:
             for precision in precisions:
                 for model in models:
-                    c = harness.compare([FLAG, PARTS_FLAG, "3"], layout=layout,
+                    c = compare([FLAG, PARTS_FLAG, "3"], layout=layout,
                                         extra_args=[*MODELS[model], *PRECISIONS[precision]], iters=iters)
                     noise: dict = {}
                     for (group, _kind, _step), stats in c.limits.noise.items():

@@ -186,11 +186,11 @@ def _described_layout(args: argparse.Namespace) -> str:
 
 def rounding_noise_run(off_args: argparse.Namespace, *, echo: bool = False):
     """The unpatched configuration with the calibration perturbation (cached like the baseline)."""
-    from mm_adaptor.harness import baseline, calibration
+    from mm_adaptor.harness import baseline, split_k
 
-    with extra_feature_module(calibration.MODULE):
+    with extra_feature_module(split_k.MODULE):
         args = argparse.Namespace(**vars(off_args))
-        setattr(args, calibration.SplitKPerturbation.flags[0].dest, True)
+        setattr(args, split_k.SplitKPerturbation.flags[0].dest, True)
         return baseline.cached_run(args, echo=echo)
 
 

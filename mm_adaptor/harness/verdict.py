@@ -4,7 +4,7 @@ Bit-for-bit features: every loss, every module output of the first micro-batch, 
 parameters must be equal.
 
 Inexact features are judged against the rounding noise of the same configuration: the unpatched model trained again
-with every matrix product summed in two halves of its inner dimension (calibration.py: the same math, another
+with every matrix product summed in two halves of its inner dimension (split_k.py: the same math, another
 rounding; cached like the baseline). Each comparison point gets three scale-free statistics (the loss gets one):
   rel_norm  ‖Δ‖ / ‖off‖             how far it moved overall
   scale     |⟨Δ, off⟩| / ‖off‖²     a systematic scale error, which rounding noise hardly produces
