@@ -56,6 +56,12 @@ def rank_main(rank, port, out):
     got = torch.empty(3, device="npu")
     if rank == 0: dist.send(torch.arange(3.0, device="npu"), 1)
     else: dist.recv(got, 0)
+    # uneven lists, as megatron's gather/reduce-scatter with split sizes (MoE token dispatch) send them
+    sizes = [3, 1]
+    uneven = [torch.empty(s, 2, device="npu") for s in sizes]
+    dist.all_gather(uneven, torch.full((sizes[rank], 2), float(rank + 1), device="npu"))
+    scattered = torch.empty(sizes[rank], 2, device="npu")
+    dist.reduce_scatter(scattered, list(torch.arange(8.0, device="npu").view(4, 2).mul(rank + 1).split(sizes)))
     try:
         dist.all_reduce(torch.ones(2, dtype=torch.float64, device="npu")); fp64 = "accepted"
     except RuntimeError as e:
@@ -63,6 +69,7 @@ def rank_main(rank, port, out):
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"device": str(x.device), "x": x.cpu().tolist(), "gathered": gathered.cpu().tolist(),
                    "part": part.cpu().tolist(), "got": got.cpu().tolist(), "fp64": fp64,
+                   "uneven": [t.cpu().tolist() for t in uneven], "scattered": scattered.cpu().tolist(),
                    "calls": torch_npu.hccl.CALLS, "backend": dist.get_backend()}, f)
     dist.destroy_process_group()
 
@@ -85,6 +92,8 @@ def test_hccl_backend_runs_gloo_on_npu_tensors_and_refuses_fp64(tmp_path):
         assert result["x"] == [3.0] * 4 and result["gathered"] == [3.0] * 8
         assert result["part"] == ([0.0, 2.0] if rank == 0 else [4.0, 6.0])
         assert "float64" in result["fp64"]
+        assert result["uneven"] == [[[1.0, 1.0]] * 3, [[2.0, 2.0]]] and result["calls"]["allgather_uneven"] == 1
+        assert result["scattered"] == ([[0.0, 3.0], [6.0, 9.0], [12.0, 15.0]] if rank == 0 else [[18.0, 21.0]])
         assert result["calls"]["allreduce"] >= 1 and result["calls"]["all_gather_single"] == 1
     assert r[1]["got"] == [0.0, 1.0, 2.0]
 

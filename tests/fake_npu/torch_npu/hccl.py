@@ -1,7 +1,9 @@
 """The FAKE 'hccl' process-group backend: gloo on host copies of npu tensors, refusing float64 as HCCL does.
 
 Each collective copies its npu tensors to host buffers, runs gloo's collective on them, and writes the results
-back into the npu tensors when its work is waited on. Not HCCL: no timeouts, streams or topology of its own.
+back into the npu tensors when its work is waited on. Uneven list collectives (megatron's gather and reduce-scatter
+with split sizes) are taken as HCCL's AllGatherV/ReduceScatterV take them. Not HCCL: no timeouts, streams or
+topology of its own.
 """
 
 from __future__ import annotations
@@ -91,8 +93,28 @@ class FakeHccl(dist.ProcessGroup):
 
     def allgather(self, outputs, inputs, opts):
         flat = [t for group in outputs for t in group]
+        if any(len({tuple(t.shape) for t in group}) > 1 for group in outputs):
+            return self._allgather_uneven(outputs, inputs, opts)
         return self._run("allgather", inputs, flat, lambda h: self._gloo.allgather(
             [[h(t) for t in group] for group in outputs], [h(t) for t in inputs], opts))
+
+    def _allgather_uneven(self, outputs, inputs, opts):
+        """Outputs of different sizes, as HCCL's AllGatherV (torch_npu takes them; gloo does not): each rank's input
+        padded to the largest output, gathered, and each output written from its rank's leading elements."""
+        CALLS["allgather_uneven"] = CALLS.get("allgather_uneven", 0) + 1
+        flat = [t for group in outputs for t in group]
+        _refuse_fp64([*inputs, *flat])
+        width = max(t.numel() for t in flat)
+        padded_in = []
+        for t in inputs:
+            padded = torch.zeros(width, dtype=t.dtype)
+            padded[:t.numel()] = _host(t).reshape(-1)
+            padded_in.append(padded)
+        padded_out = [[torch.empty(width, dtype=t.dtype) for t in group] for group in outputs]
+        work = self._gloo.allgather(padded_out, padded_in, opts)
+        pairs = [(t, buf[:t.numel()].view(t.shape)) for group, bufs in zip(outputs, padded_out)
+                 for t, buf in zip(group, bufs)]
+        return _CopyBack(work, pairs)
 
     def all_gather_single(self, output, input, opts):
         return self._run("all_gather_single", [input], [output],
