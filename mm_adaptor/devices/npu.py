@@ -8,7 +8,9 @@ What it changes:
 - megatron's CUDA RNG-state helpers read and write torch.npu's generator (megatron's own setter queues a
   torch.cuda lazy call that never runs on a CPU build of torch: TP ranks would draw different numbers);
 - NCCL process groups (default or new_group) become HCCL, NCCL options dropped; float64 all-reduces, which HCCL
-  refuses, run as an all-gather of their bits reduced locally in float64;
+  refuses, run as an all-gather of their bits reduced locally in float64; `torch.distributed.is_nccl_available()`
+  answers whether HCCL is there and `torch.distributed.ProcessGroupNCCL.Options` builds options HCCL groups drop
+  (megatron's --nccl-communicator-config-path), both for callers outside torch only (see _PackageAttribute);
 - megatron's torch.compile fuser is off (torch._dynamo disabled: no NPU compiler backend is assumed);
 - Megatron-LM: its CUDA check, fused-kernel build and dependency compilation are skipped, its signal handler's
   device is the NPU, CUDA_DEVICE_MAX_CONNECTIONS=1.
@@ -17,12 +19,15 @@ Run on the FAKE npu device in CI (tests/fake_npu); what only Ascend hardware can
 
 from __future__ import annotations
 
+import types
+import warnings
+
 import torch
 
 from mm_adaptor.devices.base import DeviceBackend
 from mm_adaptor.devices.redirect import (Redirection, Target, new_group_request, process_group_request,
                                          rng_state_patches)
-from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, Patch, PatchSet
 
 NPU_ONLY = "the NPU backend only"
 REDIRECTED = (
@@ -69,6 +74,48 @@ def _all_reduce_fp64_as_bits(func, args, kwargs):
     values = gathered.view(torch.float64).reshape(-1, *tensor.shape)
     tensor.copy_(reducers[op](values, dim=0))
     return None
+
+
+class _PackageAttribute(Patch):
+    """A replacement of a `torch.distributed` attribute for callers outside torch (megatron, user scripts): torch's own
+    distributed_c10d keeps its binding. Its is_nccl_available() guards references to ProcessGroupNCCL, which
+    the CPU build of torch that torch_npu runs on does not have."""
+
+    def _prefixes(self, owner) -> tuple[str, ...]:
+        return self.rebind_prefixes
+
+
+def _is_nccl_available() -> bool:
+    """On the NPU backend: whether the accelerator's collective library (HCCL) is there, so that code choosing
+    backend='nccl' when this says yes gets HCCL (the backend maps the name)."""
+    import torch.distributed as dist
+
+    is_hccl_available = getattr(dist, "is_hccl_available", None)  # torch_npu adds it
+    return bool(is_hccl_available()) if is_hccl_available is not None else "hccl" in dist.Backend.backend_list
+
+
+NCCL_OPTIONS_WARNED = {"count": 0}
+
+
+class _NcclOptions:
+    """torch.distributed.ProcessGroupNCCL.Options on the NPU backend: megatron builds one per group named in
+    --nccl-communicator-config-path. Its settings (CTAs, CGA cluster size, network, stream priority) have no HCCL
+    counterpart: the HCCL group is created without them (new_group drops NCCL options), as the first one says."""
+
+    def __init__(self, is_high_priority_stream: bool = False):
+        self.is_high_priority_stream = is_high_priority_stream
+        self.config = types.SimpleNamespace()
+        if not NCCL_OPTIONS_WARNED["count"]:
+            warnings.warn("NCCL communicator options (--nccl-communicator-config-path) have no HCCL counterpart on "
+                          "the NPU backend: its process groups are created without them", RuntimeWarning,
+                          stacklevel=2)
+        NCCL_OPTIONS_WARNED["count"] += 1
+
+
+class _ProcessGroupNccl:
+    """Stands in for torch.distributed.ProcessGroupNCCL on the NPU backend: only its Options (see _NcclOptions)."""
+
+    Options = _NcclOptions
 
 
 def _signal_handler_device(local_rank=None):
@@ -126,11 +173,17 @@ class NpuBackend(DeviceBackend):
                 calls.replace(f"torch.cuda.{name}", getattr(torch.npu, name), contract=torch_versions)
         calls.replace("torch._dynamo.config.disable", True, contract=torch_versions)
         groups = PatchSet("device:npu:process-groups", needed_on=NPU_ONLY,
-                          changes="NCCL process groups (the default one and new_group's) become HCCL",
+                          changes="NCCL process groups (the default one and new_group's) become HCCL; "
+                                  "is_nccl_available answers for HCCL and ProcessGroupNCCL.Options builds options "
+                                  "the HCCL groups drop (for callers outside torch)",
                           unpatched="megatron's new_group(backend='nccl') fails on an NPU machine")
         groups.wrap("torch.distributed.distributed_c10d.init_process_group", _init_process_group_on_hccl,
                     contract=torch_versions)
         groups.wrap("torch.distributed.distributed_c10d.new_group", _new_group_on_hccl, contract=torch_versions)
+        groups.add(_PackageAttribute("torch.distributed.is_nccl_available", _is_nccl_available, mode="replace",
+                                     contract=torch_versions, feature=groups.name))
+        groups.add(_PackageAttribute("torch.distributed.ProcessGroupNCCL", _ProcessGroupNccl, mode="replace",
+                                     feature=groups.name, create=True))
         core = PatchSet("device:npu:megatron-core", needed_on=NPU_ONLY,
                         changes="megatron's CUDA RNG-state helpers use torch.npu's generator",
                         unpatched="megatron's RNG setter queues a torch.cuda lazy call that never runs: TP ranks "
