@@ -240,7 +240,8 @@ def _global_tokens(data, tokens_per_step: int, device) -> int:
 
     if not hasattr(data, "tokens_this_step"):
         return tokens_per_step
-    t = torch.tensor([data.tokens_this_step], dtype=torch.float64, device=device)
+    # an integer count: exact at any size, and every collective library sums int64 (HCCL has no float64)
+    t = torch.tensor([int(data.tokens_this_step)], dtype=torch.int64, device=device)
     dist.all_reduce(t)
     replica = ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
     return int(t.item()) // replica
