@@ -1,7 +1,9 @@
 """host_mapped_copy: a copy of a device tensor whose memory is host memory mapped into the device's address space,
 so device kernels read and write it in place (no copy code). CUDA: csrc/cuda/host_mapped.cu (cudaHostAlloc with
-cudaHostAllocMapped, wrapped as a CUDA tensor that frees it with cudaFreeHost); NPU: torch_npu's swapped-memory
-allocation; CPU: the host is the device, an ordinary copy (the reference)."""
+cudaHostAllocMapped, wrapped as a CUDA tensor that frees it with cudaFreeHost); CPU: the host is the device, an
+ordinary copy (the reference). NPU: refused. torch_npu's counterpart, empty_with_swapped_memory (torch_npu 7.1.0),
+documents that its tensors take only fill_, zero_, npu_apply_adam_w and npu_hans_encode/decode, not the copy here nor
+the element-wise Adam the virtual optimizer runs on them (docs/npu.md)."""
 
 from __future__ import annotations
 
@@ -18,14 +20,14 @@ def fake(src):
     return torch.empty_like(src)
 
 
-def npu(src):
-    import torch_npu
+SWAPPED_MEMORY_LIMITS = ("host_mapped_copy on NPU: torch_npu's swapped-memory tensors (empty_with_swapped_memory, "
+                         "torch_npu 7.1.0) take only fill_, zero_, npu_apply_adam_w and npu_hans_encode/decode by "
+                         "its documentation, not the copy and element-wise Adam the virtual optimizer needs; on an "
+                         "NPU use --swap-optimizer to keep the optimizer state in host memory")
 
-    allocate = getattr(torch_npu, "empty_with_swapped_memory", None)
-    if allocate is None:
-        raise RuntimeError("host_mapped_copy on NPU needs torch_npu.empty_with_swapped_memory, which arrived with "
-                           "torch_npu 7.1.0")
-    return allocate(src.shape, dtype=src.dtype, device=src.device).copy_(src)
+
+def npu(src):
+    raise RuntimeError(SWAPPED_MEMORY_LIMITS)
 
 
 SPECS = register(

@@ -168,3 +168,25 @@ def test_flash_attention_on_npu_runs_npu_fusion_attention_and_matches_the_refere
     assert r["dropout"] == {"differs": True, "repeats": True}
     # float64, which npu_fusion_attention does not take: the blockwise kernel, with a warning saying so
     assert r["fp64_err"] < 1e-12 and r["fp64_fusion_calls"] == 0 and len(r["fp64_warning"]) == 1
+
+
+HOST_MAPPED = r"""
+import json, sys, torch, torch_npu
+sys.path.insert(0, __import__("os").getcwd())
+from mm_adaptor import devices
+devices.install("npu")
+from mm_adaptor.ops import host_mapped_copy
+try:
+    host_mapped_copy(torch.ones(4, device="npu")); error = None
+except RuntimeError as exc:
+    error = str(exc)
+print("RESULT=" + json.dumps({"error": error}))
+"""
+
+
+def test_host_mapped_copy_on_npu_refuses_with_torch_npus_swapped_memory_limits():
+    """torch_npu's swapped-memory tensors take only fill_, zero_, npu_apply_adam_w (and its hans codecs): the copy
+    and the element-wise Adam of the virtual optimizer are not among them, so the NPU path says so instead of
+    calling them."""
+    error = run_python(HOST_MAPPED, devices=1)["error"]
+    assert error and "fill_, zero_, npu_apply_adam_w" in error and "--swap-optimizer" in error
