@@ -76,9 +76,9 @@ FEATURES: dict[str, dict[str, Record]] = {
         TP2_DISTOPT + " (the fake's streams are synchronous)")),
     "virtual-optimizer": _same_everywhere(
         "mapped host memory (host_mapped_copy) " + CUDA_COMPILED,
-        Record("not run", "torch_npu's swapped-memory tensors (empty_with_swapped_memory) take only fill_, zero_ and "
-                          "npu_apply_adam_w by its documentation; the NPU path is not written within that limit and "
-                          "the fake has no swapped memory (docs/npu.md); " + NO_NPU)),
+        Record("not run", "refused on NPU (host_mapped_copy): torch_npu's swapped-memory tensors take only fill_, "
+                          "zero_, npu_apply_adam_w and the hans codecs by its documentation, not the element-wise "
+                          "Adam the virtual optimizer runs on them (docs/npu.md); " + NO_NPU)),
     "vpp-extra-warmup": _same_everywhere(NO_GPU, _fake_npu_check(PP2_VPP)),
 }
 

@@ -39,9 +39,9 @@ KERNELS = {
     "pp2_vpp": (),
 }
 NOT_ON_THE_FAKE = {
-    "virtual-optimizer": "torch_npu's swapped-memory tensors (empty_with_swapped_memory, torch_npu >= 7.1.0) take only "
-                         "fill_, zero_ and npu_apply_adam_w by torch_npu's documentation; the fake has none, and the "
-                         "virtual optimizer's NPU path needs more (docs/npu.md)",
+    "virtual-optimizer": "its NPU path refuses (ops/host_mapped.py): torch_npu's swapped-memory tensors take only "
+                         "fill_, zero_, npu_apply_adam_w and the hans codecs by its documentation, not the "
+                         "element-wise Adam the virtual optimizer runs on them (docs/npu.md)",
 }
 
 
