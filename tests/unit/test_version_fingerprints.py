@@ -4,6 +4,7 @@ line naming it), a megatron-core outside the range warns once and serves what ma
 
 import ast
 import inspect
+import os
 import subprocess
 import sys
 import warnings
@@ -306,3 +307,23 @@ def test_the_script_fingerprints_each_tag_from_its_source(tmp_path):
     assert prints["1.0.0"] == prints["1.1.0"] != prints["1.2.0"] and prints["1.3.0"] is None
     assert prints["1.0.0"] == fingerprints.fingerprint_target("megatron.core.mod.f", reader({"megatron.core.mod": V1}))
     assert namespace["CHANGED_LINES"]["megatron.core.mod.f"] == {"1.1.0": 0, "1.2.0": 2, "1.3.0": 3}
+
+
+def test_importing_the_adaptor_beside_a_release_outside_the_range_warns_once(tmp_path):
+    """A stand-in distribution's metadata says megatron-core 0.19.9 (the code stays the installed one)."""
+    info = tmp_path / "megatron_core-0.19.9.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.19.9\n")
+    script = ("import warnings; warnings.simplefilter('always')\n"
+              "import mm_adaptor.patching, mm_adaptor.features\n"
+              "from mm_adaptor import contracts\n"
+              "assert contracts.installed_version() == '0.19.9'\n"
+              "contracts.warn_if_outside_range()\n"
+              "print(contracts.megatron_problem('optimize-vocab-parallel-ce', "
+              "'megatron.core.tensor_parallel.cross_entropy.VocabParallelCrossEntropy.calculate_predicted_logits', "
+              "'0.19.9'))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONWARNINGS": ""})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stderr.count("megatron-core 0.19.9 is outside the versions") == 1, result.stderr[-2000:]
+    assert result.stdout.strip() == "None"  # unchanged code serves
