@@ -128,6 +128,9 @@ def _absolute(module: str, node: ast.ImportFrom, is_package: bool) -> str:
     return ".".join(parent + ([node.module] if node.module else []))
 
 
+_TREES: dict[str, ast.Module] = {}
+
+
 class Resolver:
     """Finds targets' definitions through `read` (module name -> source text)."""
 
@@ -142,7 +145,9 @@ class Resolver:
             if text is None:
                 text, is_package = self._read(name + ".__init__"), True
             if text is not None:
-                self._parsed[name] = (ast.parse(text), text, is_package)
+                if text not in _TREES:  # one parse per file text for all resolvers (trees are never mutated)
+                    _TREES[text] = ast.parse(text)
+                self._parsed[name] = (_TREES[text], text, is_package)
         return self._parsed[name]
 
     def module_of(self, target: str) -> tuple[str, list[str]] | None:
