@@ -206,11 +206,11 @@ class Contract:
             found = f"{self.package} {installed}" if installed else f"{self.package} (not installed)"
             message = (f"feature {feature or '?'!r} cannot patch {target}: {'; '.join(problems)}; installed: {found}; "
                        f"this patch supports {self.package} {self.versions}")
-        message += f"; set {ALLOW_MISMATCH_ENV}=1 to downgrade this to a warning"
         if _mismatch_allowed():
-            warnings.warn(message, PatchContractWarning, stacklevel=4)
+            warnings.warn(f"{message}; applied anyway ({ALLOW_MISMATCH_ENV} is set)", PatchContractWarning,
+                          stacklevel=4)
             return
-        raise PatchContractError(message)
+        raise PatchContractError(f"{message}; set {ALLOW_MISMATCH_ENV}=1 to downgrade this to a warning")
 
 
 warn_if_outside_range()
