@@ -85,6 +85,11 @@ def report_lines():
         for device in verification.DEVICES:
             record = verification.record(feature.name, device)
             lines.extend(_wrapped(device, f"{record.state}: {record.evidence}"))
+    lines.append("")
+    from mm_adaptor.versions import feature_version_report
+
+    lines.append("megatron-core versions")
+    lines.extend(feature_version_report())
     yield from lines
 
 
