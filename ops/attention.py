@@ -58,7 +58,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 def _npu_attention(q, k, v, causal, attention_mask, scale, dropout_p):
     from mm_adaptor.ops import npu_attention
 
-    why = npu_attention.why_not(q, k, v)
+    why = npu_attention.why_not(q, k, v) or ("dropout_p 1 (its keep_prob must be above 0)" if dropout_p >= 1 else None)
     if why is None:
         return npu_attention.fusion_attention(q, k, v, causal, attention_mask, scale, dropout_p)
     if why not in _NPU_WARNED:

@@ -17,6 +17,9 @@ state = torch.npu.get_rng_state()
 torch.npu.manual_seed(7); first = torch.rand(4, device="npu").cpu()
 torch.manual_seed(7); host = torch.rand(4)
 torch.npu.manual_seed(7); cpu_state = torch.get_rng_state(); again = torch.rand(4, device="npu").cpu()
+g = torch.Generator(device="npu"); g.manual_seed(11)
+own = [torch.rand(3, generator=g, device="npu").cpu() for _ in range(2)]; g.manual_seed(11)
+own_repeats = g.device.type == "npu" and torch.equal(own[0], torch.rand(3, generator=g, device="npu").cpu())
 print("RESULT=" + json.dumps({
     "fake": [torch_npu.FAKE, "FAKE" in torch_npu.__version__, "FAKE" in torch_npu.report(), "FAKE" in torch_npu.__doc__],
     "devices": [str(x.device), str(y.device), str(grad_in.grad.device), torch.npu.device_count()],
@@ -24,6 +27,7 @@ print("RESULT=" + json.dumps({
     "allocated": torch.npu.memory_allocated(), "peak": torch.npu.max_memory_allocated(),
     "draws": torch_npu._random.DRAWS, "npu_draw_repeats": first.tolist() == again.tolist(),
     "cpu_generator_untouched": torch.equal(cpu_state, torch.get_rng_state()),
+    "npu_generator_object": own_repeats and not torch.equal(own[0], own[1]),
     "methods": [torch.ones(2).npu().is_npu, torch.nn.Linear(2, 2).npu().weight.device.type],
 }))
 """
@@ -39,6 +43,7 @@ def test_storage_views_copies_fallback_and_generator():
     # dropout and rand went through the fake generator's kernels, not the CPU fallback's
     assert r["draws"].get("native_dropout") and r["draws"].get("uniform_") and r["draws"].get("normal_")
     assert r["npu_draw_repeats"] and r["cpu_generator_untouched"]
+    assert r["npu_generator_object"]  # torch.Generator(device='npu') exists (as torch_npu's does) and advances
     assert r["methods"] == [True, "npu"]
 
 

@@ -154,6 +154,12 @@ with warnings.catch_warnings(record=True) as caught:
     out["fp64_err"] = case(6, 6, 2, 2, True, None, dtype=torch.float64)["err"]
 out["fp64_fusion_calls"] = calls.get("npu_fusion_attention", 0) - before
 out["fp64_warning"] = [str(w.message) for w in caught if "npu_fusion_attention" in str(w.message)]
+before = calls.get("npu_fusion_attention", 0)
+with warnings.catch_warnings(record=True):  # keep_prob 0 is outside the kernel's (0, 1]: the blockwise kernel
+    warnings.simplefilter("always")
+    q = torch.randn(4, 1, 2, 8, device="npu")
+    out["all_dropped"] = attention.flash_attention(q, q, q, dropout_p=1.0).abs().max().item()
+out["all_dropped_fusion_calls"] = calls.get("npu_fusion_attention", 0) - before
 print("RESULT=" + json.dumps(out))
 """
 
@@ -168,6 +174,7 @@ def test_flash_attention_on_npu_runs_npu_fusion_attention_and_matches_the_refere
     assert r["dropout"] == {"differs": True, "repeats": True}
     # float64, which npu_fusion_attention does not take: the blockwise kernel, with a warning saying so
     assert r["fp64_err"] < 1e-12 and r["fp64_fusion_calls"] == 0 and len(r["fp64_warning"]) == 1
+    assert r["all_dropped"] == 0.0 and r["all_dropped_fusion_calls"] == 0
 
 
 HOST_MAPPED = r"""

@@ -16,11 +16,24 @@ def _gen(tensor, generator):
     return torch.npu.default_generators[tensor.device.index or 0]
 
 
+def _drawing(generator, draw):
+    """Run draw(host_generator): an npu generator (torch.Generator(device='npu'), a CPU generator underneath)
+    lends its state to a host generator and takes the advanced state back."""
+    if generator is None or generator.device.type != "npu":
+        return draw(generator)
+    host = torch.Generator()
+    host.set_state(generator.get_state())
+    result = draw(host)
+    generator.set_state(host.get_state())
+    return result
+
+
 def _inplace(name, draw):
     def kernel(self, *args, generator=None):
         DRAWS[name] = DRAWS.get(name, 0) + 1
         host = torch.empty(self.shape, dtype=self.dtype)
-        draw(host, *[a.cpu() if isinstance(a, torch.Tensor) else a for a in args], generator=_gen(self, generator))
+        host_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+        _drawing(generator, lambda g: draw(host, *host_args, generator=g if g is not None else _gen(self, None)))
         self.copy_(host)
         return self
     _LIB.impl(name, kernel, "PrivateUse1")
@@ -37,7 +50,9 @@ def _native_dropout(input, p, train):
 
 def _randperm_out(n, *, generator=None, out):
     DRAWS["randperm"] = DRAWS.get("randperm", 0) + 1
-    out.resize_(n).copy_(torch.randperm(n, generator=_gen(out, generator), dtype=out.dtype))
+    perm = _drawing(generator, lambda g: torch.randperm(n, generator=g if g is not None else _gen(out, None),
+                                                        dtype=out.dtype))
+    out.resize_(n).copy_(perm)
     return out
 
 

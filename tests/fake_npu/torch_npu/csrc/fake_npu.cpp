@@ -2,6 +2,7 @@
 // Storage, views and copies are here; every other op goes through PyTorch's CPU fallback (random ops are
 // registered from Python so they draw from the fake device's own generator).
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/CPUFallback.h>
@@ -82,12 +83,24 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
 };
 C10_REGISTER_GUARD_IMPL(PrivateUse1, Guard);
 
+// torch.Generator(device='npu'): a CPU generator (its state is the CPU generator's) that says it is the npu's; the
+// fake's random kernels (_random.py) draw through a host generator carrying its state.
+struct Generator final : at::CPUGeneratorImpl {
+  explicit Generator(c10::DeviceIndex index) {
+    device_ = c10::Device(kNpu, index < 0 ? t_current : index);
+    key_set_ = c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
+  }
+};
+
 struct Hooks final : at::PrivateUse1HooksInterface {
   bool isBuilt() const override { return true; }
   bool isAvailable() const override { return true; }
   bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
   at::Device getDeviceFromPtr(void*) const override { return c10::Device(kNpu, t_current); }
   bool isPinnedPtr(const void*) const override { return false; }
+  at::Generator getNewGenerator(c10::DeviceIndex index) const override {
+    return at::make_generator<Generator>(index);
+  }
   // "Pinned" host memory is plain host memory: copies are synchronous anyway.
   c10::Allocator* getPinnedMemoryAllocator() const override { return c10::GetAllocator(c10::DeviceType::CPU); }
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t bytes) const override {
