@@ -30,6 +30,15 @@ def _core() -> Contract:
     return Contract(versions=SUPPORTED_MEGATRON_CORE)
 
 
+def _megatron_core_at_least(version: str) -> bool:
+    from packaging.version import Version
+
+    from mm_adaptor.contracts import installed_version
+
+    installed = installed_version()
+    return installed is not None and Version(installed) >= Version(version)
+
+
 def _te_min_version_false_without_te(wrapped, instance, args, kwargs):
     from megatron.core.utils import get_te_version
 
@@ -144,6 +153,11 @@ def moe_router_without_te_patches() -> PatchSet:
                   "(moe_utils.RouterGatingLinearFunction reads a name megatron defines only when TE imports)")
     if _transformer_engine_importable():
         ps.not_needed = "Transformer Engine is installed"
+        return ps
+    if _megatron_core_at_least("0.17.0"):
+        # Its fingerprint differs from 0.16.1's because megatron now assigns the name itself: the fix is upstream.
+        ps.not_needed = ("megatron-core >= 0.17 defines moe_utils.te_general_gemm itself (None without Transformer "
+                         "Engine), so the router already takes its torch path")
         return ps
     ps.replace("megatron.core.transformer.moe.moe_utils.te_general_gemm", None, contract=_core(), create=True)
     return ps

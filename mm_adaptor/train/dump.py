@@ -45,7 +45,9 @@ class Dump:
 def dump_entries(chunk):
     """(name, parameter, view) per parameter; GroupedMLP's fused expert matrices are split into SequentialMLP's
     per-expert weights and names, so the two expert implementations compare tensor by tensor."""
-    from megatron.core.transformer.moe.experts import GroupedMLP
+    from megatron.core.transformer.moe import experts
+
+    grouped_mlp = getattr(experts, "GroupedMLP", None)  # megatron-core 0.17 removed it (TEGroupedMLP remains)
 
     def fc_views(n, h):
         fc1 = [lambda t, e=e: t.view(n, h, -1)[e].t() for e in range(n)]  # [hidden, E*2f] -> [2f, hidden]
@@ -54,7 +56,7 @@ def dump_entries(chunk):
 
     split = {}
     for prefix, module in chunk.named_modules():
-        if isinstance(module, GroupedMLP):
+        if grouped_mlp is not None and isinstance(module, grouped_mlp):
             dot = f"{prefix}." if prefix else ""
             fc1, fc2 = fc_views(module.num_local_experts, module.config.hidden_size)
             split[f"{dot}weight1"] = [(f"{dot}local_experts.{e}.linear_fc1.weight", v) for e, v in enumerate(fc1)]

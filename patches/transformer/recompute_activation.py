@@ -96,7 +96,10 @@ def mlp_forward_recomputing_activation(wrapped, instance, args, kwargs, checkpoi
 def _mark_mlp(mlp) -> int:
     """Mark a layer's MLP (dense, SequentialMLP experts, GroupedMLP); returns how many were marked."""
     from megatron.core.transformer.mlp import MLP
-    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+    from megatron.core.transformer.moe import experts as moe_experts
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    grouped_mlp = getattr(moe_experts, "GroupedMLP", None)  # megatron-core 0.17 removed it
 
     if type(mlp) is MLP:
         setattr(mlp, RECOMPUTE_ATTR, True)
@@ -106,7 +109,7 @@ def _mark_mlp(mlp) -> int:
         for expert in experts.local_experts:
             setattr(expert, RECOMPUTE_ATTR, True)
         return len(experts.local_experts)
-    if isinstance(experts, GroupedMLP):
+    if grouped_mlp is not None and isinstance(experts, grouped_mlp):
         # GroupedMLP's own moe_act recompute is this mechanism (megatron's forward, or --use-fused-gmm's)
         experts.activation_recompute = True
         return 1

@@ -1,0 +1,82 @@
+"""What megatron-core 0.17-0.19 changed under the adaptor's own code and compatibility sets, checked on whichever
+megatron-core is installed (each test stands in for the other version where it needs to)."""
+
+import argparse
+
+import pytest
+import torch
+
+from mm_adaptor import contracts
+from mm_adaptor.patches import megatron_compat
+
+
+def installed(monkeypatch, version):
+    monkeypatch.setattr(contracts, "installed_version", lambda package=contracts.MEGATRON_CORE: version)
+
+
+def test_moe_router_set_stands_aside_where_megatron_defines_te_general_gemm(monkeypatch):
+    monkeypatch.setattr(megatron_compat, "_transformer_engine_importable", lambda: False)
+    installed(monkeypatch, "0.19.2")
+    patch_set = megatron_compat.moe_router_without_te_patches()
+    assert not len(patch_set) and "te_general_gemm itself" in patch_set.not_needed
+    installed(monkeypatch, "0.16.1")
+    patch_set = megatron_compat.moe_router_without_te_patches()
+    assert patch_set.targets() == ["megatron.core.transformer.moe.moe_utils.te_general_gemm"]
+
+
+def test_the_installed_router_reads_a_defined_te_general_gemm():
+    from megatron.core.transformer.moe import moe_utils
+
+    from mm_adaptor import devices
+
+    devices.install("cpu")
+    try:
+        assert moe_utils.te_general_gemm is None
+    finally:
+        devices.uninstall()
+
+
+def without_grouped_mlp(monkeypatch):
+    from megatron.core.transformer.moe import experts
+
+    monkeypatch.delattr(experts, "GroupedMLP", raising=False)  # megatron-core 0.17 removed it
+
+
+def test_the_parameter_dump_works_without_grouped_mlp(monkeypatch):
+    from mm_adaptor.train.dump import dump_entries
+
+    without_grouped_mlp(monkeypatch)
+    assert [name for name, _, _ in dump_entries(torch.nn.Linear(2, 3))] == ["weight", "bias"]
+
+
+def test_recompute_activation_marks_layers_without_grouped_mlp(monkeypatch):
+    from mm_adaptor.patches.transformer import recompute_activation as rc
+
+    without_grouped_mlp(monkeypatch)
+    layer = torch.nn.Module()
+    layer.experts = torch.nn.Linear(2, 2)  # neither SequentialMLP nor (gone) GroupedMLP
+    assert rc._mark_mlp(layer) == 0
+
+
+@pytest.mark.parametrize("mla_rotary_interleaved", [True, None])
+def test_fused_rope_leaves_mla_interleaving_to_megatron(monkeypatch, mla_rotary_interleaved):
+    """0.19's apply_rotary_pos_emb(..., mla_rotary_interleaved=True) de-interleaves (MLA) even for a non-MLA config;
+    None reads config.multi_latent_attention; the native kernel does neither."""
+    from megatron.core.transformer import TransformerConfig
+
+    from mm_adaptor.patches.transformer import fused_ops
+    from mm_adaptor.patches.transformer.fused_ops import apply_rotary_pos_emb_fused
+
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
+    t, freqs = torch.randn(5, 2, 2, 8), torch.randn(5, 1, 1, 8)
+    calls = []
+
+    def megatron(*args, **kwargs):
+        calls.append(kwargs)
+        return t
+
+    monkeypatch.setattr(fused_ops, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="mla_rotary_interleaved"):
+        apply_rotary_pos_emb_fused(megatron, None, (t, freqs, config), {"mla_rotary_interleaved": mla_rotary_interleaved})
+    apply_rotary_pos_emb_fused(megatron, None, (t, freqs, config, None, 1.0, None, mla_rotary_interleaved), {})
+    assert len(calls) == 2
