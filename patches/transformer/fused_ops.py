@@ -135,13 +135,17 @@ def grouped_mlp_init_with_fused_swiglu(wrapped, instance, args, kwargs):
         instance.activation_func = ops.swiglu
 
 
-def _rope_needs_megatron(t, freqs, config, cu_seqlens, mscale) -> str | None:
+def _rope_needs_megatron(t, freqs, config, cu_seqlens, mscale, mla_rotary_interleaved=False) -> str | None:
     """Why apply_rotary_pos_emb must run megatron's code for this call, or None when the native kernel computes
-    megatron's rotation ([s, b, h, d], one angle set per position; cp_group plays no part in that layout)."""
+    megatron's rotation ([s, b, h, d], one angle set per position; cp_group plays no part in that layout).
+    mla_rotary_interleaved: megatron-core 0.19's argument (None reads the config's MLA switch); True asks for the
+    MLA de-interleaving whatever the config says."""
     if cu_seqlens is not None:
         return "packed sequences (cu_seqlens)"
     if getattr(config, "multi_latent_attention", False):
         return "multi-latent attention"
+    if mla_rotary_interleaved is not False:
+        return "MLA-style interleaving (mla_rotary_interleaved)"
     if mscale != 1.0:
         return "mscale != 1"
     if t.dim() != 4:
@@ -154,12 +158,12 @@ def _rope_needs_megatron(t, freqs, config, cu_seqlens, mscale) -> str | None:
 def apply_rotary_pos_emb_fused(wrapped, instance, args, kwargs):
     """apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, ...) on the native kernel for the
     [s, b, h, d] layout (rotate-half and interleaved, partial rotary); megatron's code runs otherwise."""
-    names = ("t", "freqs", "config", "cu_seqlens", "mscale")
+    names = ("t", "freqs", "config", "cu_seqlens", "mscale", "cp_group", "mla_rotary_interleaved")
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})
     config = bound["config"]
     why_not = _rope_needs_megatron(bound["t"], bound["freqs"], config, bound.get("cu_seqlens"),
-                                   bound.get("mscale", 1.0))
+                                   bound.get("mscale", 1.0), bound.get("mla_rotary_interleaved", False))
     if why_not:
         _warn_fallback("--use-fused-rotary-pos-emb", why_not)
         return wrapped(*args, **kwargs)
