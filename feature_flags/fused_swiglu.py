@@ -24,6 +24,9 @@ class FusedSwiGLU(Feature):
         contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
         ps = PatchSet(self.name)
         ps.wrap("megatron.core.transformer.mlp.MLP.forward", fused_ops.mlp_forward_with_fused_swiglu, contract=contract)
-        ps.wrap("megatron.core.transformer.moe.experts.GroupedMLP.__init__", fused_ops.grouped_mlp_init_with_fused_swiglu,
-                contract=contract)
+        from megatron.core.transformer.moe import experts
+
+        if hasattr(experts, "GroupedMLP"):  # megatron-core 0.17 removed it: nothing of it to patch there
+            ps.wrap("megatron.core.transformer.moe.experts.GroupedMLP.__init__",
+                    fused_ops.grouped_mlp_init_with_fused_swiglu, contract=contract)
         return [ps]

@@ -80,3 +80,16 @@ def test_fused_rope_leaves_mla_interleaving_to_megatron(monkeypatch, mla_rotary_
         apply_rotary_pos_emb_fused(megatron, None, (t, freqs, config), {"mla_rotary_interleaved": mla_rotary_interleaved})
     apply_rotary_pos_emb_fused(megatron, None, (t, freqs, config, None, 1.0, None, mla_rotary_interleaved), {})
     assert len(calls) == 2
+
+
+def test_fused_swiglu_patches_grouped_mlp_only_where_megatron_has_it(monkeypatch):
+    from mm_adaptor import features
+
+    feature = features.get("fused-swiglu")
+    targets = [t for ps in feature.patch_sets(argparse.Namespace(swiglu=True)) for t in ps.targets()]
+    from megatron.core.transformer.moe import experts
+
+    assert ("megatron.core.transformer.moe.experts.GroupedMLP.__init__" in targets) == hasattr(experts, "GroupedMLP")
+    without_grouped_mlp(monkeypatch)
+    targets = [t for ps in feature.patch_sets(argparse.Namespace(swiglu=True)) for t in ps.targets()]
+    assert targets == ["megatron.core.transformer.mlp.MLP.forward"]
