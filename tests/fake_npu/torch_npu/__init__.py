@@ -46,6 +46,8 @@ _probe.install()
 
 def report() -> str:
     return ("FAKE torch_npu (tests only, not Ascend hardware): PrivateUse1 device 'npu' on host memory, "
-            f"{torch.npu.device_count()} device(s); ops through the CPU fallback; random ops from its own "
-            "per-device generator; npu_* ops as reference math with torch_npu's schemas; 'hccl' is gloo with copies, "
-            "refusing fp64. Cannot show: kernel numerics, HCCL timeouts, stream concurrency, swapped memory, speed.")
+            f"{torch.npu.device_count()} device(s); each op's CPU kernel through the CPU fallback; random ops from "
+            "its own per-device generator; torch_npu's npu_* ops (grouped_matmul, rms_norm, swiglu, rotary_mul, "
+            "fusion_attention and their backward ops) as reference math with torch_npu's schemas (op-plugin "
+            "517f2e7d); 'hccl' is gloo with copies, refusing fp64. Cannot show: kernel numerics, HCCL timeouts, "
+            "stream concurrency, swapped memory, speed.")
