@@ -1,7 +1,8 @@
-"""Builds (once per torch version, cached by torch's extension builder) and loads the FAKE npu device library."""
+"""Builds (once per torch version and source, cached by torch's extension builder) and loads the FAKE npu device library."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 
@@ -11,7 +12,11 @@ SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "fake_npu.cpp")
 
 
 def name() -> str:
-    return "fake_npu_torch_" + re.sub(r"[^0-9A-Za-z]", "_", torch.__version__)
+    """Per torch version and per source: checkouts with other versions of the source (another worktree, an older
+    commit) build their own library instead of rebuilding one that running processes are loading."""
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    return f"fake_npu_torch_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{digest}"
 
 
 def load() -> None:
