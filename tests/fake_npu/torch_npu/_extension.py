@@ -1,4 +1,4 @@
-"""Builds (once per torch version and source, cached by torch's extension builder) and loads the FAKE npu device library."""
+"""Builds (once per torch version and source, cached by torch's extension builder) and loads the FAKE npu library."""
 
 from __future__ import annotations
 
