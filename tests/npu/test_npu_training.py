@@ -31,6 +31,9 @@ SPECS = {
     # host-side initialisation, a device's (CUDA's or the NPU's) do not.
     "npu_dropout": {"device": "npu", "args": TP2_DROPOUT},
     "npu_dropout_recompute": {"device": "npu", "args": [*TP2_DROPOUT, *RECOMPUTE]},
+    # npu_fusion_attention's own dropout (the kernel draws its seed from the npu generator, inside the RNG tracker)
+    "npu_dropout_flash": {"device": "npu", "args": [*TP2_DROPOUT, "--use-flash-attn"]},
+    "npu_dropout_flash_recompute": {"device": "npu", "args": [*TP2_DROPOUT, "--use-flash-attn", *RECOMPUTE]},
     "npu_broken_rng": {"device": "npu", "args": TP2_DROPOUT, "break": "rng"},
     "npu_broken_device": {"device": "npu", "args": TP2_SP, "break": "device", "iters": 1},
 }
@@ -88,6 +91,17 @@ def test_full_recompute_reproduces_the_dropout_masks(runs):
     assert runs["npu_dropout_recompute"]["losses"] == runs["npu_dropout"]["losses"]
     recomputed, plain = runs["npu_dropout_recompute"]["grad_norms"][0], runs["npu_dropout"]["grad_norms"][0]
     assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(recomputed, plain)), (recomputed, plain)
+
+
+def test_flash_attention_dropout_on_npu_is_reproduced_by_recompute(runs):
+    plain, recomputed = runs["npu_dropout_flash"], runs["npu_dropout_flash_recompute"]
+    assert "error" not in plain and "error" not in recomputed, (plain.get("error"), recomputed.get("error"))
+    assert recomputed["losses"] == plain["losses"]
+    same = plain["layer_outputs_equal_across_ranks"]
+    assert same and all(same.values()), same
+    for probe in plain["probe"].values():  # the kernel ran with dropout: its seeds came from the npu generator
+        assert probe["npu_ops"].get("npu_fusion_attention", 0) > 0 and probe["draws"].get("random_.from", 0) > 0
+    assert plain["losses"] != runs["npu_dropout"]["losses"]  # not megatron's attention dropout
 
 
 def test_broken_rng_redirect_is_caught(runs):
