@@ -55,3 +55,22 @@ def test_nccl_communicator_configs_and_is_nccl_available_on_the_npu_backend(tmp_
         assert result["sum"] == [3.0, 3.0] and result["backend"] == "hccl"
         assert result["is_nccl_available"] is True and result["c10d_is_nccl_available"] is False
         assert len(result["warnings"]) == 1, result["warnings"]  # once, naming what is dropped
+
+
+RESTORE = r"""
+import json, sys, torch, torch_npu, torch.distributed as dist
+sys.path.insert(0, __import__("os").getcwd())
+from mm_adaptor import devices
+before = (dist.is_nccl_available, hasattr(dist, "ProcessGroupNCCL"))
+devices.install("npu")
+during = (dist.is_nccl_available(), hasattr(dist, "ProcessGroupNCCL"),
+          dist.distributed_c10d.is_nccl_available is before[0])
+devices.uninstall()
+after = (dist.is_nccl_available is before[0], hasattr(dist, "ProcessGroupNCCL"))
+print("RESULT=" + json.dumps({"before": before[1], "during": during, "after": after}))
+"""
+
+
+def test_uninstalling_the_npu_backend_restores_torch_distributed():
+    r = run_python(RESTORE, devices=1)
+    assert r == {"before": False, "during": [True, True, True], "after": [True, False]}
