@@ -40,6 +40,10 @@ VERIFIED_ON: dict[str, tuple[str, ...]] = {
     # 0.19.0: load_state_dict matches param groups by identifier with None for missing keys and builds state per
     # optimizer_state_keys; the step fix after it is unchanged; dp2-distopt checkpoint resume passes on 0.19.2.
     "compat:torch-adam-distributed-checkpoint": ("0.16.1", "0.19.0"),
+    # Features: `mm-adaptor check` passed on 0.19.2 in every layout where the feature acts (bit for bit where it is
+    # exact), with the installed functions equal to core_v0.19.0's (benchmarks/megatron_0_19_trial.md).
+    "vpp-extra-warmup": ("0.16.1", "0.19.0"),
+    "recompute-activation-function": ("0.16.1", "0.19.0"),
 }
 # Targets whose contract is their parameters alone: Megatron-LM entry points the adaptor only wraps to call through
 # (adding its flags, enabling features after validation, passing allow_no_cuda); their bodies change every release

@@ -161,6 +161,8 @@ def edit_one_line(target):
 
 @pytest.fixture
 def mlp_forward_changed(monkeypatch):
+    for name in ("fused-swiglu", "recompute-activation-function"):  # as if verified on the base release only
+        monkeypatch.setitem(contracts.VERIFIED_ON, name, (BASE,))
     monkeypatch.setattr(fingerprints, "installed_source", edit_one_line(CHANGED))
     assert contracts.live_fingerprint(CHANGED) != FINGERPRINTS[CHANGED][BASE]
 
@@ -213,6 +215,7 @@ def test_a_feature_verified_on_a_later_release_serves_its_code_too(monkeypatch):
     version, later_print = sorted(later.items())[0]
     monkeypatch.setattr(contracts, "live_fingerprint", lambda target: later_print)
     monkeypatch.setitem(contracts.VERIFIED_ON, "fused-swiglu", (BASE, version))
+    monkeypatch.setitem(contracts.VERIFIED_ON, "recompute-activation-function", (BASE,))
     assert contracts.megatron_problem("fused-swiglu", CHANGED, "9.9") is None
     assert CHANGED in contracts.megatron_problem("recompute-activation-function", CHANGED, "9.9")
     monkeypatch.setitem(contracts.VERIFIED_ON, "fused-swiglu", (BASE,))
