@@ -67,6 +67,8 @@ def test_the_source_resolution_finds_the_object_python_imports(registered):
     checked = 0
     resolver = fingerprints.Resolver(fingerprints.installed_source)
     for target in sorted({p.target for p in registered if installed_megatron_core(p)}):
+        if contracts.live_fingerprint(target) is None:  # not defined in this release (GroupedMLP from 0.17 on)
+            continue
         owner, name = resolve(target)
         original, _own = Patch._raw_attribute(owner, name)
         live = contracts._underlying(original)
