@@ -7,13 +7,16 @@ from mm_adaptor.feature_flags._optimizer_state import OptimizerStateFeature, sta
 from mm_adaptor.features import FeatureConfigError, Flag, Tolerance, register
 
 MAIN = "--virtual-optimizer"
+NPU_REFUSAL = ("refused on the NPU backend: torch_npu's swapped-memory tensors take only fill_, zero_, "
+               "npu_apply_adam_w and npu_hans_encode/decode, not the element-wise Adam this feature runs in place; "
+               "use --swap-optimizer to keep the optimizer state in host memory")
 
 
 @register
 class VirtualOptimizer(OptimizerStateFeature):
     name = "virtual-optimizer"
     description = ("Adam's moments live in host memory mapped into the device's address space (CUDA: mapped pinned "
-                   "memory; NPU: torch_npu's swapped memory; CPU: host tensors), read and written in place by the "
+                   "memory; CPU: host tensors; refused on the NPU), read and written in place by the "
                    "device's Adam; GB: at most that much per rank, the rest stays on the device")
     flags = (Flag(MAIN, description, type=float, default=None, value_optional=True, const=math.inf),)
     tolerance = Tolerance(exact=True, why="the same Adam kernels update the same values, wherever the memory is")
@@ -21,10 +24,19 @@ class VirtualOptimizer(OptimizerStateFeature):
     def is_enabled(self, options) -> bool:
         return getattr(options, "virtual_optimizer", None) is not None
 
+    def can_run_here(self) -> tuple[bool, str]:
+        from mm_adaptor import devices
+
+        if devices.current_or_chosen().name == "npu":
+            return False, NPU_REFUSAL
+        return True, "yes"
+
     def validate(self, options):
         budget = getattr(options, "virtual_optimizer", None)
+        runs, why_not = self.can_run_here()
         refusal = (f"{MAIN} {budget:g} is negative: give the GB of moments per rank to keep in host memory "
                    f"(or no value for all)" if budget is not None and budget < 0 else
+                   f"{MAIN}: {why_not}" if not runs else
                    state_owner_refusal(options, MAIN, (("--swap-optimizer", "swap_optimizer"),)))
         if refusal:
             raise FeatureConfigError(refusal)

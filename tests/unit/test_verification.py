@@ -1,5 +1,5 @@
 """What report says has run where: every feature has a record per device, and nothing claims a device on which no
-run was recorded (no GPU or NPU run is recorded yet)."""
+run was recorded (no GPU or NPU run is recorded yet; the fake npu is a stand-in, never "verified")."""
 
 import re
 
@@ -16,15 +16,19 @@ def test_every_feature_has_a_record_for_every_device():
 
 
 def test_no_feature_and_no_backend_claims_a_device_without_a_recorded_run():
-    for records in verification.FEATURES.values():
-        assert records["cuda"].state == "not run" and records["npu"].state == "not run"
+    for name, records in verification.FEATURES.items():
+        assert records["cuda"].state == "not run", name
+        assert records["npu"].state in ("not run", "stand-in"), name
+        if records["npu"].state == "stand-in":
+            assert "FAKE npu" in records["npu"].evidence and "only Ascend hardware can show" in records["npu"].evidence
     assert not devices.make("cuda").verified_on_hardware
     assert not devices.make("npu").verified_on_hardware
     assert devices.make("cpu").verified_on_hardware
 
 
 def test_the_summary_names_each_device():
-    assert verification.summary("swap-attention") == "cpu verified, cuda not run, npu not run"
+    assert verification.summary("swap-attention") == "cpu verified, cuda not run, npu stand-in"
+    assert verification.summary("virtual-optimizer") == "cpu verified, cuda not run, npu not run"
     assert verification.summary("some-plugin") == "cpu not run, cuda not run, npu not run"
 
 
