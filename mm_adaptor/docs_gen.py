@@ -11,7 +11,8 @@ written by hand. What goes in them comes from the code, so the documents cannot 
 - docs/features/<name>.md, block `flags`: every flag with its type, default and help, the tolerance and its reason,
   the features it requires or conflicts with, and the refusals: each message is what the feature's own validate()
   raises for a probe configuration listed in REFUSAL_PROBES (a probe that no longer refuses is an error here);
-- docs/features/<name>.md, block `devices`: the state and evidence of each device from mm_adaptor/verification.py;
+- docs/features/<name>.md, block `devices`: the state and evidence of each device from mm_adaptor/verification.py,
+  and the megatron-core releases mm_adaptor/contracts.py records the feature as verified on;
 - docs/devices.md, block `devices-matrix`: every feature's state on every device, and each backend's record.
 
 The features documented are the built-in ones (modules under mm_adaptor.feature_flags); a feature added there
@@ -211,6 +212,12 @@ def flags_block(feature) -> str:
     return "\n".join(lines) + "\n"
 
 
+def megatron_versions(feature) -> str:
+    from mm_adaptor import contracts
+
+    return ", ".join(contracts.verified_versions(feature.name))
+
+
 def devices_block(feature) -> str:
     from mm_adaptor import verification
 
@@ -218,16 +225,20 @@ def devices_block(feature) -> str:
     for device in verification.DEVICES:
         record = verification.record(feature.name, device)
         lines.append(f"| {device} | {record.state} | {_cell(record.evidence)} |")
+    lines.append("")
+    lines.append(f"Verified on megatron-core {megatron_versions(feature)} (`mm_adaptor/contracts.py`; on another release "
+                 f"the feature serves only where the functions it patches have the code of one of these).")
     return "\n".join(lines) + "\n"
 
 
 def devices_matrix(features) -> str:
     from mm_adaptor import verification
 
-    lines = ["| feature | " + " | ".join(verification.DEVICES) + " |", "|---|" + "---|" * len(verification.DEVICES)]
+    lines = ["| feature | " + " | ".join(verification.DEVICES) + " | megatron-core verified |",
+             "|---|" + "---|" * (len(verification.DEVICES) + 1)]
     for feature in sorted(features, key=lambda f: f.name):
         states = " | ".join(verification.record(feature.name, d).state for d in verification.DEVICES)
-        lines.append(f"| [{feature.name}](features/{feature.name}.md) | {states} |")
+        lines.append(f"| [{feature.name}](features/{feature.name}.md) | {states} | {megatron_versions(feature)} |")
     lines.append("")
     for device in verification.DEVICES:
         backend = verification.BACKENDS.get(device, verification.UNRECORDED)

@@ -70,6 +70,15 @@ def test_a_changed_verification_record_fails_the_check(monkeypatch):
     assert "docs/features/coc.md differs from the registry" in text
 
 
+def test_a_megatron_release_verified_without_regenerating_fails_the_check(monkeypatch):
+    from mm_adaptor import contracts
+
+    monkeypatch.setitem(contracts.VERIFIED_ON, "optimize-vocab-parallel-ce", ("0.16.1", "9.9.9"))
+    text = "\n".join(docs_gen.stale())
+    assert "docs/features/optimize-vocab-parallel-ce.md differs from the registry" in text
+    assert "docs/devices.md differs from the registry" in text
+
+
 def test_a_probe_that_no_longer_refuses_is_an_error(monkeypatch):
     monkeypatch.setitem(docs_gen.REFUSAL_PROBES, "swap-attention", [("accepted", {"swap_attention": True})])
     with pytest.raises(SystemExit, match="no longer refuses"):
