@@ -44,6 +44,7 @@ VERIFIED_ON: dict[str, tuple[str, ...]] = {
     # exact), with the installed functions equal to core_v0.19.0's (benchmarks/megatron_0_19_trial.md).
     "vpp-extra-warmup": ("0.16.1", "0.19.0"),
     "recompute-activation-function": ("0.16.1", "0.19.0"),
+    "fused-swiglu": ("0.16.1", "0.19.0"),
     "fused-rotary-pos-emb": ("0.16.1", "0.19.0"),
     "swap-attention": ("0.16.1", "0.19.0"),
 }
