@@ -93,3 +93,23 @@ def test_fused_swiglu_patches_grouped_mlp_only_where_megatron_has_it(monkeypatch
     without_grouped_mlp(monkeypatch)
     targets = [t for ps in feature.patch_sets(argparse.Namespace(swiglu=True)) for t in ps.targets()]
     assert targets == ["megatron.core.transformer.mlp.MLP.forward"]
+
+
+VERIFIED_0_19 = {"vpp-extra-warmup", "recompute-activation-function", "swap-attention", "fused-rotary-pos-emb",
+                 "fused-swiglu", "compat:torch-norm", "compat:torch-adam-distributed-checkpoint"}
+
+
+def test_what_passed_its_checks_on_0_19_serves_0_19_code_and_nothing_else_does(monkeypatch):
+    """benchmarks/megatron_0_19_trial.md: these passed on 0.19.2 (whose 61 targets have core_v0.19.0's code);
+    fused-rmsnorm failed pp2-vpp2 and must keep refusing there."""
+    from mm_adaptor.megatron_fingerprints import FINGERPRINTS
+    from mm_adaptor.versions import registered_megatron_patches
+
+    assert {name for name, versions in contracts.VERIFIED_ON.items() if "0.19.0" in versions} == VERIFIED_0_19
+    monkeypatch.setattr(contracts, "live_fingerprint", lambda target: FINGERPRINTS[target]["0.19.0"])
+    changed = {(p.owner, p.target) for p in registered_megatron_patches([])
+               if FINGERPRINTS.get(p.target, {}).get("0.19.0") not in (None, FINGERPRINTS[p.target].get("0.16.1"))}
+    assert VERIFIED_0_19 | {"fused-rmsnorm"} <= {owner for owner, _ in changed}
+    for owner, target in changed:
+        problem = contracts.megatron_problem(owner, target, "0.19.2")
+        assert (problem is None) == (owner in VERIFIED_0_19), (owner, problem)
