@@ -1,0 +1,54 @@
+"""On the installed megatron-core (0.17 or newer): each built-in feature either serves, because the code of every
+upstream function it patches equals a release it was verified on, and then passes check against unpatched Megatron
+with its wrappers called; or it refuses in one line naming the changed function. Serving features run grouped, as
+the pair matrix groups them: one bit-for-bit run of the exact ones, one calibrated run of the others."""
+
+import pytest
+
+from mm_adaptor import contracts, features, harness, versions
+from mm_adaptor.harness import composition
+
+pytestmark = pytest.mark.distributed
+
+BUILT_IN = sorted((f for f in features.all_features() if type(f).__module__.startswith("mm_adaptor.feature_flags.")),
+                  key=lambda f: f.name)
+STATES = {state.name: state for state in versions.feature_states()}
+SERVING = [f for f in BUILT_IN if not STATES[f.name].refusals]
+REFUSED = [f for f in BUILT_IN if STATES[f.name].refusals]
+
+
+def runs() -> list[composition.Run]:
+    groups = []
+    for exact in (True, False):
+        members = tuple(f for f in SERVING if f.tolerance.exact == exact)
+        if not members:
+            continue
+        parallel = frozenset({"tp"}).union(*(composition.needs_of(f).parallel for f in members))
+        assert composition.refusal(members, parallel) is None, [f.name for f in members]
+        groups.append(composition.Run(members, parallel))
+    return groups
+
+
+def test_some_feature_serves_and_the_release_is_past_the_base():
+    installed = contracts.installed_version()
+    assert installed and not installed.startswith("0.16"), installed
+    assert SERVING, "no feature serves here"
+
+
+@pytest.mark.parametrize("feature", REFUSED, ids=[f.name for f in REFUSED])
+def test_a_refused_feature_names_the_changed_function(feature):
+    for line in STATES[feature.name].refusals:
+        assert "changed in megatron-core" in line or "not defined" in line, line
+        assert "megatron." in line, line
+
+
+@pytest.mark.parametrize("run", runs(), ids=lambda r: ",".join(f.name for f in r.members))
+def test_serving_features_pass_check_here(run):
+    result = harness.compare(run.feature_args(), extra_args=run.base_args(), nproc=run.nproc, iters=3)
+    assert result.passed, harness.format_comparison(result)
+    assert result.tolerance.exact == run.exact
+    calls = result.memory_on["patch_calls"]
+    for feature in run.members:
+        assert feature.name in calls, f"{feature.name} was not applied"
+        counted = [n for n in calls[feature.name].values() if n is not None]
+        assert not counted or sum(counted) > 0, f"{feature.name}'s wrappers never ran: {calls[feature.name]}"
