@@ -9,6 +9,17 @@ from mm_adaptor.errors import ConfigurationError
 from mm_adaptor.patching import PatchSet
 
 
+def legacy_fused_kernels_present() -> bool:
+    """Megatron-LM up to core_v0.16 builds megatron.legacy.fused_kernels at start-up; 0.17+ removed the package (and
+    _compile_dependencies no longer loads it), so there is nothing to skip there."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("megatron.legacy.fused_kernels") is not None
+    except ModuleNotFoundError:  # megatron.legacy itself is gone
+        return False
+
+
 class NoAcceleratorError(ConfigurationError, RuntimeError):
     """An accelerator was asked for (e.g. NCCL) but none was found, and nobody chose the CPU on purpose."""
 

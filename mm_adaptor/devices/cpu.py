@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from mm_adaptor.devices.base import DeviceBackend, NoAcceleratorError
+from mm_adaptor.devices.base import DeviceBackend, NoAcceleratorError, legacy_fused_kernels_present
 from mm_adaptor.devices.cpu_cuda import CPU, CPU_ONLY, CPU_STREAMS, torch_cuda_patches
 from mm_adaptor.devices.gloo import GLOO_SPECIALS
 from mm_adaptor.devices.redirect import (Redirection, Target, names_nccl, new_group_request, process_group_request,
@@ -140,12 +140,13 @@ class CpuBackend(DeviceBackend):
         ps = PatchSet(
             "device:cpu:megatron-training", needed_on=CPU_ONLY,
             changes="Megatron-LM's 'Megatron requires CUDA' check is lifted and its legacy fused CUDA kernel build "
-                    "skipped",
+                    "skipped (where megatron.legacy still has one: core_v0.16)",
             unpatched="initialize_megatron asserts 'Megatron requires CUDA.'")
         contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
         ps.wrap("megatron.training.initialize.initialize_megatron", _allow_no_cuda, contract=contract)
-        # Megatron-LM's legacy fused CUDA kernels (built with nvcc at start-up) cannot run on the CPU.
-        ps.replace("megatron.legacy.fused_kernels.load", _skip_cuda_kernel_build, contract=contract)
+        # Megatron-LM's legacy fused CUDA kernels (built with nvcc at start-up) cannot run on the CPU; 0.17+ has none.
+        if legacy_fused_kernels_present():
+            ps.replace("megatron.legacy.fused_kernels.load", _skip_cuda_kernel_build, contract=contract)
         return [ps]
 
     def _activate(self) -> None:

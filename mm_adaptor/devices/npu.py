@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from mm_adaptor.devices.base import DeviceBackend
+from mm_adaptor.devices.base import DeviceBackend, legacy_fused_kernels_present
 from mm_adaptor.devices.redirect import (Redirection, Target, new_group_request, process_group_request,
                                          rng_state_patches)
 from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, Patch, PatchSet
@@ -200,7 +200,8 @@ class NpuBackend(DeviceBackend):
         contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
         ps.wrap("megatron.training.initialize.initialize_megatron", _allow_no_cuda, contract=contract)
         ps.replace("megatron.training.initialize._compile_dependencies", _skip, contract=contract)
-        ps.replace("megatron.legacy.fused_kernels.load", _skip, contract=contract)
+        if legacy_fused_kernels_present():  # megatron-core 0.17+ has no legacy fused kernels
+            ps.replace("megatron.legacy.fused_kernels.load", _skip, contract=contract)
         ps.replace("megatron.training.dist_signal_handler.get_device", _signal_handler_device, contract=contract)
         return [ps]
 
