@@ -45,7 +45,12 @@ VARIANTS = {
     "fused-rotary-pos-emb": ("--use-fused-rotary-pos-emb", True, ("--use-fused-rotary-pos-emb",)),
     "flash-attn": ("--use-flash-attn", True, ("--use-flash-attn",)),
     "all": ("all four", True, FUSED_FLAGS),
+    # features whose loss lines must equal the import's digit for digit (exact, not fused kernels)
+    "recompute-activation-function": ("--recompute-activation-function", True, ("--recompute-activation-function",)),
+    "swap-attention": ("--swap-attention", True, ("--swap-attention", "--swap-min-bytes", "0")),
+    "optimize-vocab-parallel-ce": ("--optimize-vocab-parallel-ce", True, ("--optimize-vocab-parallel-ce",)),
 }
+DEFAULT_VARIANTS = ("unpatched", "import", "fused-rmsnorm", "fused-swiglu", "fused-rotary-pos-emb", "flash-attn", "all")
 # (cuda, cpu) defaults of the model options
 MODEL_DEFAULTS = {
     "num_layers": (8, 2), "hidden_size": (2048, 64), "num_attention_heads": (16, 4), "seq_length": (4096, 64),
@@ -274,7 +279,7 @@ def parse_options(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--megatron-lm", required=True, help="a Megatron-LM checkout (its pretrain_gpt.py)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(DEFAULT_VARIANTS))
     for name, (cuda_default, cpu_default) in MODEL_DEFAULTS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=int,
                             help=f"default {cuda_default} on CUDA, {cpu_default} on the CPU")

@@ -47,6 +47,10 @@ VERIFIED_ON: dict[str, tuple[str, ...]] = {
     "fused-swiglu": ("0.16.1", "0.19.0"),
     "fused-rotary-pos-emb": ("0.16.1", "0.19.0"),
     "swap-attention": ("0.16.1", "0.19.0"),
+    # 0.19.0: initialize_megatron no longer parses arguments but still asserts CUDA unless allow_no_cuda (the one
+    # thing the wrapper passes); megatron.legacy.fused_kernels is gone, so its skip applies only where it exists.
+    # Megatron-LM's pretrain_gpt.py from core_v0.19.0 trains on the CPU (benchmarks/megatron_0_19_trial.md).
+    "device:cpu:megatron-training": ("0.16.1", "0.19.0"),
 }
 # Targets whose contract is their parameters alone: Megatron-LM entry points the adaptor only wraps to call through
 # (adding its flags, enabling features after validation, passing allow_no_cuda); their bodies change every release
