@@ -4,8 +4,9 @@ with its wrappers called; or it refuses in one line naming the changed function.
 the pair matrix groups them: one bit-for-bit run of the exact ones, one calibrated run of the others."""
 
 import pytest
+from feature_runs import assert_run_passes
 
-from mm_adaptor import contracts, features, harness, versions
+from mm_adaptor import contracts, features, versions
 from mm_adaptor.harness import composition
 
 pytestmark = pytest.mark.distributed
@@ -44,11 +45,4 @@ def test_a_refused_feature_names_the_changed_function(feature):
 
 @pytest.mark.parametrize("run", runs(), ids=lambda r: ",".join(f.name for f in r.members))
 def test_serving_features_pass_check_here(run):
-    result = harness.compare(run.feature_args(), extra_args=run.base_args(), nproc=run.nproc, iters=3)
-    assert result.passed, harness.format_comparison(result)
-    assert result.tolerance.exact == run.exact
-    calls = result.memory_on["patch_calls"]
-    for feature in run.members:
-        assert feature.name in calls, f"{feature.name} was not applied"
-        counted = [n for n in calls[feature.name].values() if n is not None]
-        assert not counted or sum(counted) > 0, f"{feature.name}'s wrappers never ran: {calls[feature.name]}"
+    assert_run_passes(run)
