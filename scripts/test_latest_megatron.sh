@@ -6,10 +6,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LATEST=${MEGATRON_CORE_LATEST:-0.19.2}
-PYTHON312=${PYTHON312:-python3.12}
+# A Python >= 3.12: $PYTHON312, else python3.12/python3.13 on PATH, else one pyenv has installed but not activated.
+find_python312() {
+  local candidate
+  for candidate in ${PYTHON312:-} python3.12 python3.13 $(ls -d "$(pyenv root 2>/dev/null)"/versions/3.1[2-9]*/bin/python3 2>/dev/null); do
+    if "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then echo "$candidate"; return; fi
+  done
+}
+PYTHON312=$(find_python312)
 VENV=${MM_ADAPTOR_LATEST_VENV:-.venv-latest}
-if ! command -v "$PYTHON312" >/dev/null; then
-  echo "newest megatron-core leg: $PYTHON312 not found (megatron-core 0.17+ needs Python >= 3.12; set PYTHON312)" >&2
+if [ -z "$PYTHON312" ]; then
+  echo "newest megatron-core leg: no Python >= 3.12 found (megatron-core 0.17+ needs it; set PYTHON312)" >&2
   # CI (.ci/run) requires the leg; elsewhere the 0.16.1 suite stands alone, with this line saying so.
   [ "${MM_ADAPTOR_REQUIRE_LATEST:-0}" = 1 ] && exit 1 || exit 0
 fi
