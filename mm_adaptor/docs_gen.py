@@ -95,7 +95,7 @@ REFUSAL_PROBES: dict[str, list[tuple[str, dict]]] = {
 def builtin_features():
     from mm_adaptor import features
 
-    return [f for f in features.all_features() if type(f).__module__.startswith(BUILTIN_PREFIX)]
+    return features.built_in_features()
 
 
 def page_path(root: Path, feature) -> Path:

@@ -201,6 +201,11 @@ def all_features() -> list[Feature]:
     return list(_REGISTRY.values())
 
 
+def built_in_features() -> list[Feature]:
+    """The product's features (feature_flags/), not the test or calibration features others register."""
+    return [f for f in all_features() if type(f).__module__.startswith("mm_adaptor.feature_flags.")]
+
+
 def get(name: str) -> Feature:
     _discover()
     try:

@@ -11,8 +11,7 @@ from mm_adaptor.harness import composition
 
 pytestmark = pytest.mark.distributed
 
-BUILT_IN = sorted((f for f in features.all_features() if type(f).__module__.startswith("mm_adaptor.feature_flags.")),
-                  key=lambda f: f.name)
+BUILT_IN = sorted(features.built_in_features(), key=lambda f: f.name)
 STATES = {state.name: state for state in versions.feature_states()}
 SERVING = [f for f in BUILT_IN if not STATES[f.name].refusals]
 REFUSED = [f for f in BUILT_IN if STATES[f.name].refusals]

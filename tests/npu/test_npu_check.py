@@ -53,8 +53,7 @@ def test_every_feature_is_checked_on_the_fake_npu_or_says_why_not():
     by_flag = _flag_to_feature()
     covered = {by_flag[token] for flags, _ in RUNS.values() for token in flags if token in by_flag}
     assert covered.isdisjoint(NOT_ON_THE_FAKE)
-    built_in = {f.name for f in features.all_features()  # not the test features other tests register
-                if type(f).__module__.startswith("mm_adaptor.feature_flags.")}
+    built_in = {f.name for f in features.built_in_features()}
     assert covered | set(NOT_ON_THE_FAKE) == built_in
 
 
