@@ -32,7 +32,6 @@ END = "<!-- /generated -->"
 BLOCK = re.compile(r"<!-- generated:(?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /generated -->", re.S)
 SUMMARY = re.compile(r"^\*\*What it buys:\*\* (?P<text>.+)$", re.M)
 ROOT = Path(__file__).resolve().parents[1]
-BUILTIN_PREFIX = "mm_adaptor.feature_flags."
 
 # Configurations each feature must refuse, as (what the probe shows, the options it sets). The refusal text in the
 # docs is the feature's own message for them, so a reworded or removed refusal shows up as a stale block.
