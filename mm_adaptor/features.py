@@ -201,9 +201,12 @@ def all_features() -> list[Feature]:
     return list(_REGISTRY.values())
 
 
+BUILT_IN_PACKAGE = "mm_adaptor.feature_flags"
+
+
 def built_in_features() -> list[Feature]:
     """The product's features (feature_flags/), not the test or calibration features others register."""
-    return [f for f in all_features() if type(f).__module__.startswith("mm_adaptor.feature_flags.")]
+    return [f for f in all_features() if type(f).__module__.startswith(BUILT_IN_PACKAGE + ".")]
 
 
 def get(name: str) -> Feature:

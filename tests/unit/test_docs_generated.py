@@ -33,7 +33,7 @@ def throwaway_feature():
         def patch_sets(self, options):
             return []
 
-    Throwaway.__module__ = docs_gen.BUILTIN_PREFIX + "throwaway_docs_probe"
+    Throwaway.__module__ = features.BUILT_IN_PACKAGE + ".throwaway_docs_probe"
     features.register(Throwaway)
     try:
         yield Throwaway
