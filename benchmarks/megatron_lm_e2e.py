@@ -278,7 +278,8 @@ def parse_options(argv):
     argv = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--megatron-lm", required=True, help="a Megatron-LM checkout (its pretrain_gpt.py)")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--device", choices=("cuda", "npu", "cpu"), default="cuda",
+                        help="npu: torch_npu's device (a real one, or tests/fake_npu on PYTHONPATH), the CUDA sizes")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(DEFAULT_VARIANTS))
     for name, (cuda_default, cpu_default) in MODEL_DEFAULTS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=int,
@@ -304,16 +305,18 @@ def parse_options(argv):
 def main(argv=None) -> int:
     opts = parse_options(argv)
     env = dict(os.environ)
+    # as an activated venv: Megatron-LM compiles its dataset helpers with the `python3` on PATH (pybind11 there)
+    env["PATH"] = os.pathsep.join([str(Path(opts.python).parent), env.get("PATH", "")])
     if opts.device == "cpu":
         env["MM_ADAPTOR_DEVICE"] = "cpu"
-    else:
+    elif opts.device == "cuda":
         warn_about_cuda_setup()
     runs = {}
     for name in opts.variants:
-        if name == "unpatched" and opts.device == "cpu":
+        if name == "unpatched" and opts.device != "cuda":
             runs[name] = Run(name, VARIANTS[name][0], status="skipped",
                              why="unpatched Megatron-LM requires CUDA (initialize_megatron asserts it)")
-            print(f"[e2e] unpatched: skipped on the CPU ({runs[name].why})", flush=True)
+            print(f"[e2e] unpatched: skipped on the {opts.device} ({runs[name].why})", flush=True)
             continue
         runs[name] = run_variant(name, variant_command(name, opts), env, Path(opts.log_dir), opts.train_iters,
                                  opts.timeout)

@@ -11,9 +11,11 @@ What it changes:
   refuses, run as an all-gather of their bits reduced locally in float64; `torch.distributed.is_nccl_available()`
   answers whether HCCL is there and `torch.distributed.ProcessGroupNCCL.Options` builds options HCCL groups drop
   (megatron's --nccl-communicator-config-path), both for callers outside torch only (see _PackageAttribute);
-- megatron's torch.compile fuser is off (torch._dynamo disabled: no NPU compiler backend is assumed);
-- Megatron-LM: its CUDA check, fused-kernel build and dependency compilation are skipped, its signal handler's
-  device is the NPU, CUDA_DEVICE_MAX_CONNECTIONS=1.
+- megatron's torch.compile fuser runs eagerly (no NPU compiler backend is assumed), in every thread: the stance,
+  not torch._dynamo.config.disable, whose value is per context and so unset in the autograd threads where the
+  fused functions' backward runs;
+- Megatron-LM: its CUDA check is lifted and its legacy fused CUDA kernels (core_v0.16) are not built, its signal
+  handler's device is the NPU, CUDA_DEVICE_MAX_CONNECTIONS=1.
 Run on the FAKE npu device in CI (tests/fake_npu); what only Ascend hardware can show: `mm-adaptor report`.
 """
 
@@ -123,6 +125,19 @@ def _signal_handler_device(local_rank=None):
     return torch.device("npu", index)
 
 
+def eager_everywhere(patch_set: PatchSet, contract: Contract) -> None:
+    """torch.compile'd functions run eagerly in every thread. torch.compiler.set_stance("force_eager") is a process
+    global; torch._dynamo.config.disable is a per-context value (a ContextVar in torch 2.13), unset in the autograd
+    engine's device threads, where megatron's compiled backward functions (swiglu_back, ...) would still compile."""
+    from torch._dynamo import eval_frame
+
+    if hasattr(eval_frame, "_stance"):
+        patch_set.replace("torch._dynamo.eval_frame._stance", eval_frame.DynamoStance(stance="force_eager"),
+                          contract=contract)
+    else:  # torch < 2.6 has no stance; its config is a plain module attribute there
+        patch_set.replace("torch._dynamo.config.disable", True, contract=contract)
+
+
 def _skip(*_args, **_kwargs):
     return None
 
@@ -165,13 +180,13 @@ class NpuBackend(DeviceBackend):
         _npu()
         torch_versions = Contract(versions=">=2.1", package="torch")
         calls = PatchSet("device:npu", needed_on=NPU_ONLY,
-                         changes="the torch.cuda calls megatron makes go to torch.npu; torch._dynamo is disabled "
-                                 "(megatron's torch.compile fuser has no NPU compiler backend here)",
+                         changes="the torch.cuda calls megatron makes go to torch.npu; torch.compile'd functions run "
+                                 "eagerly in every thread (megatron's fuser has no NPU compiler backend here)",
                          unpatched="'Torch not compiled with CUDA enabled' from megatron's torch.cuda calls")
         for name in REDIRECTED:
             if hasattr(torch.npu, name):
                 calls.replace(f"torch.cuda.{name}", getattr(torch.npu, name), contract=torch_versions)
-        calls.replace("torch._dynamo.config.disable", True, contract=torch_versions)
+        eager_everywhere(calls, torch_versions)
         groups = PatchSet("device:npu:process-groups", needed_on=NPU_ONLY,
                           changes="NCCL process groups (the default one and new_group's) become HCCL; "
                                   "is_nccl_available answers for HCCL and ProcessGroupNCCL.Options builds options "
@@ -194,12 +209,12 @@ class NpuBackend(DeviceBackend):
 
     def training_patch_sets(self):
         ps = PatchSet("device:npu:megatron-training", needed_on=NPU_ONLY,
-                      changes="Megatron-LM's CUDA check, fused CUDA kernel build and dependency compilation are "
-                              "skipped; its signal handler's device is the NPU",
+                      changes="Megatron-LM's CUDA check is lifted and its legacy fused CUDA kernel build skipped "
+                              "(core_v0.16; the dataset index builder still compiles); its signal handler's device "
+                              "is the NPU",
                       unpatched="initialize_megatron asserts 'Megatron requires CUDA.' and builds CUDA kernels")
         contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
         ps.wrap("megatron.training.initialize.initialize_megatron", _allow_no_cuda, contract=contract)
-        ps.replace("megatron.training.initialize._compile_dependencies", _skip, contract=contract)
         if legacy_fused_kernels_present():  # megatron-core 0.17+ has no legacy fused kernels
             ps.replace("megatron.legacy.fused_kernels.load", _skip, contract=contract)
         ps.replace("megatron.training.dist_signal_handler.get_device", _signal_handler_device, contract=contract)
