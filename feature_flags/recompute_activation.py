@@ -17,7 +17,8 @@ class RecomputeActivation(Feature):
     flags = (
         Flag(MAIN, description),
         Flag(NUM_LAYERS, "recompute the activation only in the first N transformer layers of each (virtual) "
-                         "pipeline stage (default: all)", type=int, default=None),
+                         "pipeline stage (default: all); in a HybridModel the first N of its layers that hold an "
+                         "MLP ('-', 'E')", type=int, default=None),
     )
     tolerance = Tolerance(exact=True, why="the recomputed activation is the same computation on the same inputs")
 
@@ -31,15 +32,18 @@ class RecomputeActivation(Feature):
 
     def patch_sets(self, options):
         from mm_adaptor.patches.transformer import recompute_activation as rc
+        from mm_adaptor.patches.transformer.hybrid_stack import HYBRID_STACK, wrap_where_defined
         from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
+        n = getattr(options, "recompute_activation_function_num_layers", None)
         contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
         ps = PatchSet(self.name)
         ps.wrap("megatron.core.transformer.transformer_block.TransformerBlock.__init__",
-                rc.block_init_marking_layers(getattr(options, "recompute_activation_function_num_layers", None)),
-                contract=contract)
+                rc.block_init_marking_layers(n), contract=contract)
         ps.wrap("megatron.core.transformer.mlp.MLP.forward", rc.mlp_forward_recomputing_activation,
                 contract=contract)
+        # megatron-core 0.18+: a HybridModel's decoder (its '-' and 'E' layers); nothing to patch before
+        wrap_where_defined(ps, f"{HYBRID_STACK}.__init__", rc.stack_init_marking_layers(n), contract)
         return [ps]
 
 

@@ -61,8 +61,10 @@ def manager_options(options) -> dict:
 
 
 def patch_set(name: str, manager):
-    """The three wraps that make `manager` swap: block passes, layer passes, which layers take part."""
+    """The wraps that make `manager` swap: block passes, layer passes, which layers take part (for megatron's
+    TransformerBlock, and on megatron-core 0.18+ for a HybridModel's HybridStack)."""
     from mm_adaptor.patches.transformer import swap_attention as sa
+    from mm_adaptor.patches.transformer.hybrid_stack import HYBRID_STACK, wrap_where_defined
     from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
     contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
@@ -73,6 +75,8 @@ def patch_set(name: str, manager):
             contract=contract)
     ps.wrap("megatron.core.transformer.transformer_layer.TransformerLayer.forward", manager.layer_forward,
             contract=contract)
+    wrap_where_defined(ps, f"{HYBRID_STACK}.__init__", sa.block_init_marking_layers, contract)
+    wrap_where_defined(ps, f"{HYBRID_STACK}.forward", manager.block_forward, contract)
     return ps
 
 

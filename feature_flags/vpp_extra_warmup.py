@@ -61,6 +61,10 @@ def _virtual_size(options):
     vpp = getattr(options, "virtual_pipeline_model_parallel_size", None)
     if vpp:
         return vpp
+    pattern = getattr(options, "hybrid_layer_pattern", None)
+    if pattern:  # a HybridModel: '|' separates pipeline segments, more of them than stages are virtual stages
+        pp, segments = getattr(options, "pipeline_model_parallel_size", 1) or 1, pattern.split("/")[0].count("|") + 1
+        return segments // pp if segments > pp and segments % pp == 0 else None
     per_chunk = getattr(options, "num_layers_per_virtual_pipeline_stage", None)
     pp, layers = getattr(options, "pipeline_model_parallel_size", 1) or 1, getattr(options, "num_layers", None)
     if per_chunk and layers and pp:
@@ -100,7 +104,8 @@ def refusal_for(options) -> str | None:
     pp, vpp = getattr(options, "pipeline_model_parallel_size", 1) or 1, _virtual_size(options)
     if pp < 2 or not vpp or vpp < 2:
         return (f"{MAIN} extends megatron's interleaved schedule, which needs --pipeline-model-parallel-size 2 or more "
-                f"and a virtual pipeline (--num-layers-per-virtual-pipeline-stage giving 2 or more chunks per stage)")
+                f"and a virtual pipeline (--num-layers-per-virtual-pipeline-stage giving 2 or more chunks per stage, "
+                f"or with --hybrid-layer-pattern 2 or more '|' segments per stage)")
     if getattr(options, "overlap_moe_expert_parallel_comm", False):
         return (f"{MAIN} and --overlap-moe-expert-parallel-comm both add warm-up forwards (that one its own one, with "
                 f"its combined 1F1B schedule): keep one")

@@ -12,7 +12,7 @@ from pathlib import Path
 from mm_adaptor import features
 from mm_adaptor.arguments_errors import ArgumentParser
 from mm_adaptor.output import VERBOSE_ENV
-from mm_adaptor.train import vlm
+from mm_adaptor.train import hybrid, vlm
 from mm_adaptor.train.checkpoint_files import MARKER, latest_checkpoint
 from mm_adaptor.train.model import ffn_hidden_size
 
@@ -45,6 +45,11 @@ def build_parser(prog: str = "mm-adaptor train") -> argparse.ArgumentParser:
     m.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
     m.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="alltoall")
     m.add_argument("--moe-grouped-gemm", action="store_true")
+    m.add_argument(hybrid.FLAG, type=str, default=None, metavar="PATTERN",
+                   help="build megatron-core's HybridModel (0.18 and newer) instead of the GPT: one symbol per layer, "
+                        "'*' attention, '-' MLP, 'E' MoE, '|' between pipeline segments (more segments than "
+                        "pipeline stages: virtual stages), e.g. '*-*-'; sets --num-layers. A pattern starting "
+                        "with '-' is given as --hybrid-layer-pattern=-*-*")
 
     lay = p.add_argument_group("parallel layout (Megatron-LM names)")
     lay.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -184,9 +189,18 @@ def _not_divisible(flag: str, value: int, by_flag: str, by: int, why: str = "", 
 def finalize_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Derive defaults; raise LayoutError listing every out-of-range value, or else every broken rule of the
     layout (Megatron-LM's divisibility rules for what the driver builds)."""
+    is_hybrid = getattr(args, "hybrid_layer_pattern", None) is not None
+    if is_hybrid and not hybrid.available():
+        raise LayoutError(hybrid.unavailable())
     problems = range_problems(args) + (vlm.shape_args(args) if vlm.is_vlm(args) else [])
     if problems:
         raise LayoutError(*problems)
+    if is_hybrid:
+        problems = hybrid.problems(args) or (
+            [f"{hybrid.FLAG} builds a language model: it does not combine with the vision-language model's flags"]
+            if vlm.is_vlm(args) else [])
+        if problems:
+            raise LayoutError(*problems)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     ep = args.expert_model_parallel_size
     if args.max_position_embeddings is None:
@@ -204,11 +218,14 @@ def finalize_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     dp = args.data_parallel_size
     if args.sequence_parallel and tp == 1:
         problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if args.num_layers % pp != 0 and not getattr(args, "pipeline_layers", None):
+    if args.num_layers % pp != 0 and not getattr(args, "pipeline_layers", None) and not is_hybrid:
         problems.append(_not_divisible("--num-layers", args.num_layers, "--pipeline-model-parallel-size", pp))
     args.virtual_pipeline_model_parallel_size = None
     per_stage = args.num_layers // pp
-    if args.num_layers_per_virtual_pipeline_stage is not None:
+    if is_hybrid:  # the pattern's '|' segments are the (virtual) pipeline stages; hybrid.problems checked them
+        args.virtual_pipeline_model_parallel_size = hybrid.virtual_stages(args)
+        per_stage = hybrid.layers_per_stage(args)
+    elif args.num_layers_per_virtual_pipeline_stage is not None:
         if pp < 2:
             problems.append("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
         elif per_stage % args.num_layers_per_virtual_pipeline_stage != 0:

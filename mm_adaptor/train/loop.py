@@ -160,6 +160,10 @@ def _build(args, device) -> RunState:
     else:
         config = transformer_config(args)
         chunks = build_model(args, config, device)
+        if getattr(args, "hybrid_layer_pattern", None) is not None:
+            from mm_adaptor.train import hybrid
+
+            state.memory["hybrid_layer_kinds"] = hybrid.layer_kinds(chunks)  # what was built, read back
     state.model = wrap_model(args, config, chunks)
     state.optimizer, state.scheduler = build_optimizer(args, config, state.model)
     config.grad_scale_func = state.optimizer.scale_loss
@@ -191,7 +195,8 @@ def _train(args, backend) -> None:
     tokens_per_step = args.global_batch_size * args.seq_length
     layout = describe_layout(args)
     if not args.quiet:
-        print_last_rank(f" mm-adaptor train: {layout} | device backend: {backend.describe()} | "
+        model = f" | HybridModel {args.hybrid_layer_pattern!r}" if getattr(args, "hybrid_layer_pattern", None) else ""
+        print_last_rank(f" mm-adaptor train: {layout}{model} | device backend: {backend.describe()} | "
                         f"features: {', '.join(applied_features()) or 'none'}")
         if state.memory.get("frozen_towers"):
             count = state.memory["frozen_elements"]

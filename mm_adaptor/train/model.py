@@ -1,5 +1,6 @@
-"""The driver's model: megatron-core's GPT on the local spec, wrapped in DDP (and Float16Module), its loss and its
-optimizer. Imports no module of the driver (the others build on it), and torch and megatron only when called."""
+"""The driver's model: megatron-core's GPT on the local spec (or its HybridModel, mm_adaptor.train.hybrid), wrapped
+in DDP (and Float16Module), its loss and its optimizer. Imports no other module of the driver at import time (they
+build on it), and torch and megatron only when called."""
 
 from __future__ import annotations
 
@@ -99,7 +100,12 @@ def transformer_config(args):
 
 
 def build_model(args, config, device):
-    """The model chunks of this rank on `device` (initialised on the host, so every device starts alike)."""
+    """The model chunks of this rank on `device` (initialised on the host, so every device starts alike): the GPT,
+    or with --hybrid-layer-pattern megatron's HybridModel (mm_adaptor.train.hybrid)."""
+    if getattr(args, "hybrid_layer_pattern", None) is not None:
+        from mm_adaptor.train import hybrid
+
+        return hybrid.build_model(args, config, device)
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

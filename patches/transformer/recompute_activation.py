@@ -3,8 +3,10 @@ has saved it the output's storage is released (resize to 0); a hook on fc2's out
 activation into the same storage before fc2's backward reads it. Megatron's own CheckpointWithoutOutput (the
 mechanism behind its moe_act recompute) does the discarding and the recomputation.
 
-Which MLPs take part is decided when a TransformerBlock is built (`mark_block`): the first N layers of each block
-(one block per virtual pipeline stage), less the layers Megatron recomputes whole (--recompute-method block)."""
+Which MLPs take part is decided when a TransformerBlock is built (`block_init_marking_layers`): the first N layers
+of each block (one block per virtual pipeline stage), less the layers Megatron recomputes whole (--recompute-method
+block). A HybridModel's HybridStack (`stack_init_marking_layers`) counts only its layers that hold an MLP ('-', 'E'):
+the first N of those, less the layers Megatron recomputes whole."""
 
 from __future__ import annotations
 
@@ -136,6 +138,25 @@ def block_init_marking_layers(num_layers_option: int | None):
             mlp = getattr(layers[index], "mlp", None)
             if mlp is not None:
                 _mark_mlp(mlp)
+        return result
+
+    return wrapper
+
+
+def stack_init_marking_layers(num_layers_option: int | None):
+    """HybridStack.__init__ wrapper: marks the MLPs of the first N layers that hold one ('-' and 'E'; all without
+    N), less those megatron recomputes whole (--recompute-method block counts every layer of the stack)."""
+    from mm_adaptor.patches.transformer.hybrid_stack import mlp_layer_indices
+
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        layers = list(getattr(instance, "layers", []))
+        with_mlp = mlp_layer_indices(layers)
+        chosen = with_mlp if num_layers_option is None else with_mlp[:num_layers_option]
+        recomputed_whole = set(range(layers_to_mark(len(layers), instance.config, None).start))
+        for index in chosen:
+            if index not in recomputed_whole:
+                _mark_mlp(layers[index].mlp)
         return result
 
     return wrapper

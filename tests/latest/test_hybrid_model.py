@@ -1,0 +1,155 @@
+"""--hybrid-layer-pattern on the installed megatron-core (0.18 or newer: HybridModel): the driver builds the pattern's
+layers ('*' attention, '-' MLP, 'E' MoE, '|' pipeline segments) from megatron's local spec and trains them; every
+feature serving here passes check against unpatched Megatron on a HybridModel, grouped into few runs as
+test_features_on_latest_megatron.py groups them on the GPT, with each feature's mechanism seen at work on the
+hybrid layers (its wrappers called; swap-attention's host bytes and recompute-activation-function's freed bytes per
+layer kind; the extended schedules); patterns the driver cannot build are refused in one line."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+from feature_runs import assert_run_passes
+
+from mm_adaptor import features, versions
+from mm_adaptor.harness import composition
+from mm_adaptor.train import hybrid
+from mm_adaptor.train.arguments import LayoutError, finalize_args, parse_args
+
+BUILT_IN = sorted(features.built_in_features(), key=lambda f: f.name)
+STATES = {state.name: state for state in versions.feature_states()}
+SERVING = [f for f in BUILT_IN if not STATES[f.name].refusals]
+
+
+def pattern_for(parallel: frozenset) -> str:
+    """Two GPT layers' worth ('*-' each; '*E' with experts), as four pipeline segments under a virtual pipeline."""
+    unit = hybrid.ATTENTION + (hybrid.MOE if "moe" in parallel else hybrid.MLP)
+    return "|".join([unit] * 4) if "vpp" in parallel else unit * 2
+
+
+class HybridRun(composition.Run):
+    """A composition run on a HybridModel: the same parallel sizes, the layers from a pattern (and its segments)
+    instead of --num-layers and --num-layers-per-virtual-pipeline-stage."""
+
+    @property
+    def pattern(self) -> str:
+        return pattern_for(self.parallel)
+
+    def base_args(self) -> list[str]:
+        layout, _ = composition.layout_args(self.parallel)
+        kept, skip = [], False
+        for token in layout:
+            if skip:
+                skip = False
+            elif token in ("--num-layers", "--num-layers-per-virtual-pipeline-stage"):
+                skip = True
+            else:
+                kept.append(token)
+        switches = dict.fromkeys(a for f in self.members for a in composition.needs_of(f).base_args)
+        return [*kept, f"{hybrid.FLAG}={self.pattern}", *composition.MODEL_ARGS, *switches]
+
+
+def runs() -> list[HybridRun]:
+    """Two ranks each: the exact serving features in one run (a virtual pipeline if one needs it), the inexact ones
+    that need no experts in one TP2+SP run, and on MoE layers ('*E*E', EP2) those that need experts with the exact
+    ones that act per layer again."""
+    needs = {f.name: composition.needs_of(f).parallel for f in SERVING}
+    exact = tuple(f for f in SERVING if f.tolerance.exact)
+    dense = tuple(f for f in SERVING if not f.tolerance.exact and "moe" not in needs[f.name])
+    moe = tuple(f for f in SERVING if (f.tolerance.exact and needs[f.name] <= {"moe"})
+                or (not f.tolerance.exact and "moe" in needs[f.name]))
+    groups = []
+    if exact:
+        groups.append(HybridRun(exact, frozenset().union(*(needs[f.name] for f in exact))))
+    if dense:
+        groups.append(HybridRun(dense, frozenset({"tp"}).union(*(needs[f.name] for f in dense))))
+    if moe:
+        groups.append(HybridRun(moe, frozenset({"moe"}).union(*(needs[f.name] for f in moe))))
+    return groups
+
+
+def rank0_kinds(pattern: str, pp: int) -> dict[str, str]:
+    """{"layer N": symbol} of the layers pipeline rank 0 holds (megatron's segment choice)."""
+    segments = hybrid.segments(pattern)
+    flat = pattern.replace(hybrid.PIPE, "")
+    if len(segments) == 1:
+        held = range(len(flat) // pp)
+    else:
+        starts = [sum(len(s) for s in segments[:i]) for i in range(len(segments))]
+        held = [starts[i] + j for i in range(0, len(segments), pp) for j in range(len(segments[i]))]
+    return {f"layer {n + 1}": flat[n] for n in held}
+
+
+def test_every_serving_feature_is_in_a_hybrid_run():
+    assert SERVING, "no feature serves here"
+    covered = {f.name for run in runs() for f in run.members}
+    assert covered == {f.name for f in SERVING}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", runs(), ids=lambda r: f"{r.pattern}:" + ",".join(f.name for f in r.members))
+def test_serving_features_pass_check_on_a_hybrid_model(run):
+    names = {f.name for f in run.members}
+    result = assert_run_passes(run)
+    on, off = result.memory_on, result.memory_off
+    # the pattern was built: rank 0's layers, read back from the modules, are its share of the pattern
+    pp = 2 if "vpp" in run.parallel else 1
+    assert on["hybrid_layer_kinds"] == rank0_kinds(run.pattern, pp)
+    assert all(math.isfinite(loss) for loss in result.losses_on)
+    assert result.losses_on[-1] < result.losses_on[0], result.losses_on
+    kinds, saved = on["hybrid_layer_kinds"], on["saved_bytes_per_layer"]
+    host = on.get("host_saved_bytes_per_layer", {})
+    layers = [label for label in saved if label.startswith("layer")]
+    assert {kinds[label] for label in layers} >= {hybrid.ATTENTION}, layers
+    if "swap-attention" in names:  # it reached attention and MLP/MoE layers alike (their norms at least)
+        assert all(host.get(label, 0) > 0 for label in layers), host
+    if "recompute-activation-function" in names:
+        for label in layers:
+            freed = off["saved_bytes_per_layer"][label] - saved[label] - host.get(label, 0)
+            if kinds[label] == hybrid.ATTENTION:
+                assert freed == 0, (label, freed)  # no MLP there: nothing recomputed
+            else:
+                assert freed > 0, (label, freed)  # the activation's output is no longer kept
+    if "vpp-extra-warmup" in names:
+        assert on["feature_statistics"]["vpp-extra-warmup"]["schedules extended"] > 0
+
+
+def hybrid_args(*argv: str, nproc: int = 2):
+    return parse_args([*argv, "--nproc-per-node", str(nproc)])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--hybrid-layer-pattern=*-|*-|*-", "--pipeline-model-parallel-size", "2"], "3 pipeline segments"),
+    (["--hybrid-layer-pattern=*-|*-"], "--pipeline-model-parallel-size is 1"),
+    (["--hybrid-layer-pattern=*-*", "--pipeline-model-parallel-size", "2"], "3 layers"),
+    (["--hybrid-layer-pattern=*-|*-|*-|*-", "--pipeline-model-parallel-size", "2",
+      "--num-layers-per-virtual-pipeline-stage", "1"], "mark the virtual pipeline stages with '|'"),
+    (["--hybrid-layer-pattern=*E"], "need --num-experts"),
+    (["--hybrid-layer-pattern=*-", "--num-experts", "2"], "has none"),
+    (["--hybrid-layer-pattern=*-/*-"], "multi-token prediction"),
+    (["--hybrid-layer-pattern=*x"], "'x' is not a layer symbol"),
+    (["--hybrid-layer-pattern=*-||*-", "--pipeline-model-parallel-size", "2"], "empty pipeline segment"),
+    (["--hybrid-layer-pattern=D-"], "DeepSeek sparse attention"),
+])
+def test_what_the_driver_cannot_build_is_one_line_naming_it(argv, words):
+    with pytest.raises(LayoutError) as refused:
+        finalize_args(hybrid_args(*argv), 2)
+    assert len(refused.value.problems) == 1 and words in str(refused.value), str(refused.value)
+
+
+def test_the_pattern_sets_the_layers_and_the_virtual_pipeline():
+    args = finalize_args(hybrid_args("--hybrid-layer-pattern=*-|*E-|*-|*-", "--pipeline-model-parallel-size", "2",
+                                     "--num-experts", "2", "--global-batch-size", "8", "--num-layers", "2"), 2)
+    assert (args.num_layers, args.virtual_pipeline_model_parallel_size) == (9, 2)
+
+
+@pytest.mark.parametrize("pattern, package", [("M*M-", "mamba-ssm"), ("G-*-", "flash-linear-attention")])
+def test_mamba_and_gated_delta_net_refuse_in_one_line_naming_the_package(pattern, package):
+    if hybrid._has_package(hybrid.NEEDS_PACKAGE[pattern[0]][0]):
+        pytest.skip(f"{package} is installed here")
+    done = subprocess.run([sys.executable, "-m", "mm_adaptor.cli", "train", f"--hybrid-layer-pattern={pattern}"],
+                          capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("mm-adaptor train: error:")]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert package in lines[0] and "not installed" in lines[0], lines[0]
