@@ -5,7 +5,9 @@ parameters must be equal.
 
 Inexact features are judged against the rounding noise of the same configuration: the unpatched model trained again
 with every matrix product summed in two halves of its inner dimension (split_k.py: the same math, another
-rounding; cached like the baseline). Each comparison point gets three scale-free statistics (the loss gets one):
+rounding; cached like the baseline), and for steps 2 and later also in thirds, the larger of the two counting (from
+step 2 on, the differences come mostly from the few parameters whose gradient is below Adam's eps, each moved by
+lr x its gradient's rounding change / eps: one perturbation's draw at those few can be zero; compare.NOISE_PARTS). Each comparison point gets three scale-free statistics (the loss gets one):
   rel_norm  ‖Δ‖ / ‖off‖             how far it moved overall
   scale     |⟨Δ, off⟩| / ‖off‖²     a systematic scale error, which rounding noise hardly produces
   rel_max   max|Δ| / max|off|       a few elements far off
@@ -165,11 +167,15 @@ def _shape_problem(point: Point) -> str | None:
     return None
 
 
-def noise_table(off, noise) -> dict[tuple, dict[str, float]]:
-    """The largest statistic of each kind at each step, unpatched vs the rounding perturbation."""
+def noise_table(off, noise, *later_noise) -> dict[tuple, dict[str, float]]:
+    """The largest statistic of each kind at each step, unpatched vs the rounding perturbation; from step 2 on, the
+    largest over it and `later_noise` (further perturbations: one draw at the parameters below Adam's eps can be
+    zero, compare.NOISE_PARTS)."""
     table: dict[tuple, dict[str, float]] = {}
-    for point in points(off, noise):
-        if _shape_problem(point):
+    first = [(point, True) for point in points(off, noise)]
+    later = [(point, False) for extra in later_noise for point in points(off, extra)]
+    for point, from_first in first + later:
+        if _shape_problem(point) or (not from_first and point.step == 1):
             continue
         largest = table.setdefault(point.kind, {})
         for stat, value in point_statistics(point).items():

@@ -74,8 +74,9 @@ def test_subtle_inexact_bugs_fail(bug, precision):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_different_rounding_of_the_same_math_passes(precision):
-    """The other side of the self-test: a second rounding perturbation (matrix products split at a third instead of
-    a half) is a legitimate change and must pass against the limits the first one set; it must change something."""
+    """The other side of the self-test: a further rounding perturbation (matrix products split at a fifth instead of
+    a half or a third) is a legitimate change and must pass against the limits the noise references set; it must
+    change something."""
     row, = calibration.calibrate(["tp2-sp"], [precision], ["llama"])
     assert max(row.second.values()) <= 1.0, row
     assert row.noise["gradients"]["rel_norm"] > 0, "the perturbation must change something, or it calibrates nothing"

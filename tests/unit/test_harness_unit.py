@@ -172,3 +172,16 @@ def test_unknown_layout():
 def test_bad_configuration_is_refused_before_anything_trains():
     with pytest.raises(harness.HarnessError, match="--normalization RMSNorm"):
         harness.compare(["--use-fused-rmsnorm"], layout="tp2", timeout=1)
+
+
+def test_later_steps_take_the_largest_noise_of_the_perturbations_and_step_1_the_first():
+    """From step 2 on one perturbation's draw at the few parameters below Adam's eps can be zero (compare.NOISE_PARTS):
+    the further perturbations count there, and only there."""
+    g = torch.linspace(1, 2, 100)
+    off = _dump(losses=[1.0, 1.0], grads=[{"w": g}, {"w": g}])
+    halves = _dump(losses=[1.0, 1.0], grads=[{"w": g * (1 + 1e-6)}, {"w": g}])
+    thirds = _dump(losses=[1.0, 1.0], grads=[{"w": g * (1 + 1e-3)}, {"w": g * (1 + 1e-4)}])
+    table = verdict.noise_table(off, halves, thirds)
+    assert table[("gradients", "w", 1)]["rel_norm"] == pytest.approx(1e-6, rel=0.1), "step 1: the halves alone"
+    assert table[("gradients", "w", 2)]["rel_norm"] == pytest.approx(1e-4, rel=0.1), "later: the largest"
+    assert verdict.noise_table(off, halves)[("gradients", "w", 2)]["rel_norm"] == 0.0
