@@ -2,8 +2,10 @@
 model's own parameters and stay) and Adam's moments live in pinned host memory between steps.
 
 Between steps they are ordinary host tensors, so checkpoint save and load, and reloading main parameters from the
-model, read and write them where they are. For the step each main parameter first becomes a device tensor without
-storage (megatron hands it its gradient), then the inner optimizer runs over batches of at most `budget_bytes` of
+model, read and write them where they are. While megatron hands each main parameter its gradient (prepare_grads) the
+main parameter is a device tensor without storage, and its host copy again right after, so a step that does not
+follow (an overflow, or from megatron-core 0.19 a ChainedOptimizer whose grad_norm_skip_threshold skips the update)
+leaves nothing on the device. The inner optimizer runs over batches of at most `budget_bytes` of
 state: batch i + 1 is copied to the device on one stream while batch i is updated, each updated batch goes to the
 model (megatron's copy) and back to host memory on another stream; a device buffer is freed only when the copy
 out of it has finished (record_stream), and the step waits for the last copy before it returns."""
@@ -28,7 +30,8 @@ class SwappedOptimizerState:
     """Main parameters and moments of one megatron optimizer, kept in host memory between steps: the holder's
     policy for both slots (patches.optimizer.state_holder). Invariant: between
     steps every swapped tensor's data is its host copy (a moment the checkpoint loader replaced included), except
-    the main parameters from prepare_grads to the end of the step (`released`: device tensors without storage)."""
+    the main parameters inside megatron's prepare_grads (`released`: device tensors without storage, so that they
+    take their device gradients)."""
 
     slots = ("mains", "moments")
     releases_mains = True
@@ -169,7 +172,7 @@ class Patches(HolderPatches):
         if state is None:
             return wrapped(*args, **kwargs)
         state.release_mains_for_grads()
-        found_inf = wrapped(*args, **kwargs)
-        if found_inf:  # no step follows
+        try:
+            return wrapped(*args, **kwargs)
+        finally:  # whether a step follows is not prepare_grads' to say (overflow; 0.19's skip threshold)
             state.mains_back_to_host()
-        return found_inf

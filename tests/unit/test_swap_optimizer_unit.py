@@ -62,3 +62,41 @@ def test_swapped_step_matches_the_plain_optimizer(budget_bytes):
     assert state.statistics()["bytes_to_host"] == 3 * 12 * elements  # main + two moments, every step
     # the first step fetches the main parameters only: Adam makes the moments on the device
     assert state.statistics()["bytes_to_device"] == 4 * elements + 2 * 12 * elements
+
+
+def test_main_parameters_are_host_copies_again_when_no_step_follows_prepare_grads():
+    """Megatron hands each main parameter its gradient in prepare_grads; the step may not follow (an overflow, or
+    megatron-core 0.19's ChainedOptimizer skipping the update above grad_norm_skip_threshold), and a checkpoint
+    saved then reads the main parameters: they are their host copies, with the values they had."""
+    from mm_adaptor.memory import STATE_HOLDER
+    from mm_adaptor.patches.optimizer.swap_optimizer import Patches
+
+    models_ref, mains_ref = shards(0)
+    models, mains = shards(0)
+    ref = torch.optim.AdamW(mains_ref, lr=1e-2)
+    shell = MegatronShell(mains, models, torch.optim.AdamW(mains, lr=1e-2))
+    state = SwappedOptimizerState(shell, budget_bytes=1, backend=devices.make("cpu"))
+    holder = OptimizerStateHolder(state.inner)
+    holder.adopt(state)
+    setattr(shell, STATE_HOLDER, holder)
+    homes = [m.data_ptr() for m in mains]
+    g = torch.Generator().manual_seed(1)
+
+    def megatron_prepare_grads(*_):
+        assert all(m.untyped_storage().nbytes() == 0 for m in mains), "released while megatron hands the grads"
+        plain_step_on_shared_grads(torch.optim.SGD(mains_ref, lr=0.0), mains_ref, mains, [], g)
+        return False
+
+    for skipped in (True, False):
+        assert Patches.prepare_grads(megatron_prepare_grads, shell, (), {}) is False
+        assert [m.data_ptr() for m in mains] == homes and not state.released, "host copies again"
+        for a, b in zip(mains_ref, mains):
+            assert torch.equal(a, b)
+        if not skipped:
+            ref.step()
+            for model, main in zip(models_ref, mains_ref):
+                model.copy_(main.detach())
+            holder.step({id(main): model for main, model in zip(mains, models)})
+    for a, b, ma, mb in zip(mains_ref, mains, models_ref, models):
+        assert torch.equal(a, b) and torch.equal(ma, mb)
+        assert torch.equal(ref.state[a]["exp_avg"], state.inner.state[b]["exp_avg"])

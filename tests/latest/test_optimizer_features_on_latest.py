@@ -1,0 +1,149 @@
+"""--reuse-fp32-param, --swap-optimizer and --virtual-optimizer on the installed megatron-core (0.17 or newer):
+bit for bit against unpatched Megatron with each one's mechanism seen at work (main-parameter bytes halved,
+state in host memory, moments mapped), in the optimizers megatron builds there (a ChainedOptimizer around the
+distributed optimizer or Float16OptimizerWithFloat16Params); checkpoints saved with each load without it and the
+other way round; the broken variants fail; and the update megatron-core 0.19's ChainedOptimizer skips above
+grad_norm_skip_threshold leaves the swapped main parameters in host memory."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mm_adaptor import harness
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))  # broken variants, checkpoint runs
+from checkpoint_directions import assert_checkpoints_load_both_ways  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+ITERS = 4
+
+
+def check(flags, layout, extra):
+    result = harness.compare(flags, layout=layout, extra_args=list(extra), iters=ITERS)
+    assert result.passed, harness.format_comparison(result)
+    assert result.tolerance.exact
+    return result
+
+
+def residences(memory, kind):
+    return {r: memory["by_residence"][r][kind] for r in ("device", "host")}
+
+
+@pytest.mark.parametrize("layout,extra", [("tp2", ["--bf16"]),
+                                          ("dp2-distopt", ["--bf16", "--overlap-param-gather"])],
+                         ids=["tp2-float16-optimizer", "dp2-distributed-optimizer"])
+def test_reuse_fp32_param_halves_the_main_parameters(layout, extra):
+    result = check(["--reuse-fp32-param"], layout, extra)
+    off, on = result.memory_off, result.memory_on
+    stats = on["feature_statistics"]["reuse-fp32-param"]
+    assert stats["steps"] == ITERS
+    assert off["optimizer_main_param_bytes"] == 4 * stats["main_param_elements"] > 0
+    assert on["optimizer_main_param_bytes"] == 2 * stats["main_param_elements"] + 12 * stats["exceptions"]
+    for kind in ("parameter_bytes", "gradient_bytes", "optimizer_moment_bytes"):
+        assert on[kind] == off[kind], kind
+
+
+@pytest.mark.parametrize("extra", [["--bf16"], []], ids=["bf16", "fp32"])
+def test_swap_optimizer_keeps_the_shards_state_in_host_memory(extra):
+    result = check(["--swap-optimizer"], "dp2-distopt", extra)
+    off, on = result.memory_off, result.memory_on
+    kinds = ["optimizer_moment_bytes"] + (["optimizer_main_param_bytes"] if extra else [])
+    for kind in kinds:
+        assert residences(on, kind) == {"device": 0, "host": off[kind]}, kind
+    stats = on["feature_statistics"]["swap-optimizer"]
+    assert stats["steps"] == ITERS
+    assert stats["bytes_to_host"] == ITERS * sum(off[kind] for kind in kinds)
+
+
+@pytest.mark.parametrize("layout,extra", [("tp2", []), ("dp2-distopt", ["--bf16"])],
+                         ids=["tp2-fp32-optimizer", "dp2-distributed-optimizer-bf16"])
+def test_virtual_optimizer_maps_every_moment(layout, extra):
+    result = check(["--virtual-optimizer"], layout, extra)
+    off, on = result.memory_off, result.memory_on
+    assert residences(on, "optimizer_moment_bytes") == {"device": 0, "host": off["optimizer_moment_bytes"]}
+    stats = on["feature_statistics"]["virtual-optimizer"]
+    assert stats["moment_bytes_in_host_memory"] == off["optimizer_moment_bytes"] and stats["steps"] == ITERS
+
+
+@pytest.mark.parametrize("module,flag,layout,extra", [
+    ("broken_reuse_fp32_param_feature", "--use-test-reuse-fp32-param-losing-low-bits", "tp2", ["--bf16"]),
+    ("broken_swap_optimizer_feature", "--use-test-swap-optimizer-reusing-buffers", "dp2-distopt", ["--bf16"]),
+    ("broken_virtual_optimizer_feature", "--use-test-virtual-optimizer-losing-moments", "tp2", [])],
+    ids=["reuse-losing-low-bits", "swap-reusing-a-host-buffer-too-early", "virtual-losing-the-moments"])
+def test_a_wrong_variant_fails(module, flag, layout, extra):
+    """The unpatched runs are the checks' above (cached)."""
+    with harness.extra_feature_module(module):
+        result = harness.compare([flag], layout=layout, extra_args=extra, iters=ITERS)
+    assert not result.passed
+    assert result.params.failures
+
+
+@pytest.mark.parametrize("flags,layout", [(["--reuse-fp32-param"], "dp2-distopt"),
+                                          (["--swap-optimizer"], "dp2-distopt"),
+                                          (["--virtual-optimizer"], "tp2")],
+                         ids=["reuse-fp32-param", "swap-optimizer", "virtual-optimizer"])
+def test_checkpoints_load_both_ways(tmp_path, flags, layout):
+    assert_checkpoints_load_both_ways(tmp_path, layout, flags, ["--bf16"])
+
+
+def test_swapped_main_parameters_stay_in_host_memory_when_the_chained_optimizer_skips_the_update(
+        single_rank_megatron):
+    """grad_norm_skip_threshold (megatron-core 0.19): ChainedOptimizer.step runs prepare_grads, then skips
+    step_with_ready_grads; the main parameters must be their host copies, unchanged, for whatever reads them
+    next (a checkpoint save), and the next step updates them as unpatched Megatron does."""
+    import argparse
+
+    import mm_adaptor
+    from mm_adaptor.memory import STATE_HOLDER
+    from mm_adaptor.train.arguments import finalize_args, parse_args
+    from mm_adaptor.patches.optimizer.swap_optimizer import SwappedOptimizerState
+    from mm_adaptor.train.model import build_model, build_optimizer, transformer_config, wrap_model
+
+    def build(threshold):
+        from megatron.core import tensor_parallel
+
+        args = finalize_args(parse_args(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+                                         "--vocab-size", "128", "--seq-length", "16", "--bf16",
+                                         "--use-distributed-optimizer"]), 1)
+        torch.manual_seed(0)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        config = transformer_config(args)
+        model = wrap_model(args, config, build_model(args, config, torch.device("cpu")))
+        optimizer, _ = build_optimizer(args, config, model, grad_norm_skip_threshold=threshold)
+        return model, optimizer
+
+    def step(model, optimizer, seed):
+        optimizer.zero_grad()
+        g = torch.Generator().manual_seed(seed)
+        for buffer in model[0].buffers:
+            buffer.grad_data.copy_(torch.randn(buffer.grad_data.shape, generator=g))
+        return optimizer.step()[0]
+
+    def mains(optimizer):
+        return [main for opt in optimizer.chained_optimizers
+                for group in opt.shard_fp32_from_float16_groups for main in group]
+
+    model_ref, optimizer_ref = build(float("inf"))
+    before = [m.detach().clone() for m in mains(optimizer_ref)]
+    assert step(model_ref, optimizer_ref, 1)
+    mm_adaptor.enable(argparse.Namespace(swap_optimizer=True, use_distributed_optimizer=True, bf16=True))
+    try:
+        model, optimizer = build(1e-30)  # every update skipped
+        swapped = mains(optimizer)
+        holder = getattr(optimizer.chained_optimizers[0], STATE_HOLDER)
+        assert isinstance(holder.mains, SwappedOptimizerState)
+        homes = [m.data_ptr() for m in swapped]
+        assert not step(model, optimizer, 1), "the update was skipped"
+        assert [m.data_ptr() for m in swapped] == homes and not holder.mains.released, "their host copies"
+        for main, start in zip(swapped, before, strict=True):
+            assert torch.equal(main, start)
+        for opt in optimizer.chained_optimizers:
+            opt.config.grad_norm_skip_threshold = float("inf")
+        assert step(model, optimizer, 1)
+        for main, ref in zip(swapped, mains(optimizer_ref), strict=True):
+            assert torch.equal(main, ref)
+    finally:
+        mm_adaptor.disable()
