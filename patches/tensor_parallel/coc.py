@@ -15,6 +15,7 @@ Three layers, each importing only the one before:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import Counter
 from dataclasses import dataclass
 
@@ -23,14 +24,24 @@ import torch
 from mm_adaptor.patches.tensor_parallel.coc_autograd import AllGatherMatmul, MatmulReduce  # noqa: F401
 from mm_adaptor.patches.tensor_parallel.coc_chunks import Rows, chunk_bounds  # noqa: F401  (callers read them here)
 
-_LINEAR_PARAMS = ("input", "weight", "bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
-                  "grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce", "tp_group")
+_SIGNATURES: dict = {}
 
 
-def _bind(args, kwargs) -> dict:
-    bound = dict(zip(_LINEAR_PARAMS, args))
-    bound.update(kwargs)
-    return bound
+def _bind(function, args, kwargs) -> dict:
+    """The arguments of megatron's linear function by name, as the installed release names and orders them
+    (0.17 dropped async_grad_allreduce, whose position tp_group took; 0.19 added gtp_remat_size)."""
+    signature = _SIGNATURES.get(function)
+    if signature is None:
+        signature = _SIGNATURES[function] = inspect.signature(function)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _gtp_sharded(size) -> bool:
+    """megatron 0.19's GTP weight rematerialisation: the weight is a shard gathered inside megatron's own
+    autograd function, which the chunked paths do not do (a release without GTP passes None or 1)."""
+    return (size or 1) > 1
 
 
 def _group_or_default(tp_group):
@@ -77,9 +88,10 @@ class ChunkedLinears:
     def linear_under_sequence_parallel(self, wrapped, instance, args, kwargs):
         """Wrapper of megatron's linear_with_grad_accumulation_and_async_allreduce: its sequence-parallel
         all-gather (column-parallel linears) goes by chunks; every other use runs megatron's."""
-        bound = _bind(args, kwargs)
+        bound = _bind(wrapped, args, kwargs)
         group = None
-        if bound.get("sequence_parallel") and not bound.get("grad_output_buffer") and self.chunks > 1:
+        if (bound.get("sequence_parallel") and not bound.get("grad_output_buffer") and self.chunks > 1
+                and not _gtp_sharded(bound.get("gtp_remat_size"))):
             group = _group_or_default(bound.get("tp_group"))
         if group is None or group.size() == 1:
             return wrapped(*args, **kwargs)
@@ -88,7 +100,8 @@ class ChunkedLinears:
                                      bound["gradient_accumulation_fusion"], self.chunks, group, None, self.trace)
 
     def column_parallel_expert_forward(self, wrapped, instance, args, kwargs):
-        """Wrapper of ColumnParallelLinear.forward: an expert's fc1 inside expert_collectives gathers its rows."""
+        """Wrapper of ColumnParallelLinear.forward: an expert's fc1 inside expert_collectives gathers its rows
+        (coc_experts has checked that it can: a trainable weight, not GTP-sharded)."""
         if self.expert is None or not instance.explicit_expert_comm:
             return wrapped(*args, **kwargs)
         bias = instance.bias if not instance.skip_bias_add else None
@@ -109,7 +122,7 @@ class ChunkedLinears:
             return output_, instance.bias
         if (chunks == 1 or group is None or group.size() == 1 or not instance.input_is_parallel
                 or instance.explicit_expert_comm or instance.config._cpu_offloading_context is not None
-                or not instance.weight.requires_grad):
+                or not instance.weight.requires_grad or _gtp_sharded(getattr(instance, "gtp_remat_size", 1))):
             return wrapped(*args, **kwargs)
         self.calls["row-parallel reduce-scatter" if instance.sequence_parallel else "row-parallel all-reduce"] += 1
         output_ = MatmulReduce.apply(input_, instance.weight, instance.gradient_accumulation_fusion,

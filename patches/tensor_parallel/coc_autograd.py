@@ -24,6 +24,25 @@ def _matmul_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).mm(w).view(*x.shape[:-1], w.shape[-1])
 
 
+_FSDP_GEMM: list = []
+
+
+def _fsdp_wgrad_gemm():
+    """Transformer Engine's general GEMM where the installed megatron's own backward writes Megatron-FSDP's
+    main_grad with it (0.18 and later, when TE is present), else None (0.16: torch.matmul)."""
+    if not _FSDP_GEMM:
+        import inspect
+
+        from megatron.core.tensor_parallel import layers
+
+        gemm = None
+        source = inspect.getsource(layers.LinearWithGradAccumulationAndAsyncCommunication.backward)
+        if "te_general_gemm" in source:
+            from megatron.core.extensions.transformer_engine import te_general_gemm as gemm
+        _FSDP_GEMM.append(gemm)
+    return _FSDP_GEMM[0]
+
+
 def _weight_gradient(ctx, weight, grad_output, total_input):
     """Megatron's weight gradient (LinearWithGradAccumulationAndAsyncCommunication.backward's tail): one GEMM into
     main_grad under gradient-accumulation fusion (with its dummy grad for the DDP hooks), else the plain GEMM."""
@@ -35,7 +54,12 @@ def _weight_gradient(ctx, weight, grad_output, total_input):
     main_grad = weight.main_grad
     if hasattr(weight, "__fsdp_param__"):
         weight.main_grad = weight.get_main_grad()
-        torch.matmul(grad_output.t(), total_input, out=weight.main_grad)
+        te_gemm = _fsdp_wgrad_gemm()
+        if te_gemm is not None:  # megatron 0.18+: Transformer Engine's GEMM, for a main_grad of another dtype
+            te_gemm(total_input, grad_output, out_dtype=weight.main_grad.dtype, layout="NT", out=weight.main_grad,
+                    grad=True)
+        else:
+            torch.matmul(grad_output.t(), total_input, out=weight.main_grad)
     elif main_grad.dtype == torch.float32:
         layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
     elif main_grad.dtype in (torch.float16, torch.bfloat16):

@@ -1,4 +1,5 @@
-"""--use-coc for tensor-parallel experts (expert tensor parallel size > 1, the all-to-all dispatcher, SequentialMLP).
+"""--use-coc for tensor-parallel experts (expert tensor parallel size > 1, the all-to-all dispatcher, SequentialMLP
+without --moe-grouped-gemm).
 
 Megatron gathers every expert-TP rank's tokens (one all-gather), sorts them by local expert, runs each expert on
 its rows and reduce-scatters the result (one reduce-scatter). Here each rank sorts its own tokens by local expert
@@ -20,10 +21,35 @@ def _eligible(layer, chunks: int) -> bool:
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     dispatcher, config = layer.token_dispatcher, layer.config
+    # the inference dispatchers megatron 0.17+ switches to under InferenceMode gather, not all-to-all: not eligible
     return (chunks > 1 and isinstance(dispatcher, MoEAlltoAllTokenDispatcher) and dispatcher.tp_size > 1
             and isinstance(layer.experts, SequentialMLP) and not dispatcher.drop_and_pad
             and dispatcher.shared_experts is None and not config.moe_apply_probs_on_input
-            and not config.add_bias_linear and not (config.fp8 or getattr(config, "fp4", None)))
+            and not config.add_bias_linear and not (config.fp8 or getattr(config, "fp4", None))
+            # --moe-grouped-gemm: GroupedMLP up to 0.16 (not eligible); from 0.17 a SequentialMLP whose forward
+            # --use-fused-gmm runs as grouped GEMMs, which this path would bypass: megatron's collectives, as on 0.16
+            and not config.moe_grouped_gemm
+            # 0.18+: an autograd hook on the experts' input (CUDA events for the delayed weight gradient)
+            and not getattr(config, "overlap_dispatch_backward_with_experts_wgrad", False)
+            # 0.19+: a dispatcher whose experts write into its communication buffers
+            and _zero_copy_buffers(dispatcher) == (None, None)
+            and config._cpu_offloading_context is None
+            and all(_chunkable(linear) for expert in layer.experts.local_experts
+                    for linear in (expert.linear_fc1, expert.linear_fc2)))
+
+
+def _zero_copy_buffers(dispatcher):
+    buffers = getattr(dispatcher, "get_expert_zero_copy_buffers", None)
+    return tuple(buffers()) if buffers is not None else (None, None)
+
+
+def _chunkable(linear) -> bool:
+    """An expert linear whose matmul the chunked path may run: megatron's own (local spec), a trainable weight,
+    not GTP-sharded (megatron 0.19's weight rematerialisation)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    return (isinstance(linear, (ColumnParallelLinear, RowParallelLinear)) and linear.weight is not None
+            and linear.weight.requires_grad and (getattr(linear, "gtp_remat_size", 1) or 1) == 1)
 
 
 def _local_sort(num_local_experts: int, ep: int):

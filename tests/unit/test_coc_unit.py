@@ -1,11 +1,16 @@
 """--use-coc's chunked linears on two gloo ranks: bit-for-bit equal to the unchunked collectives and GEMMs (forward,
 input and weight gradients, even and uneven chunks) where the rows are the same per rank; with uneven rows per rank
-(MoE experts, empty ones included) equal within GEMM rounding to references built from every rank's data; and the trace of the work shows the overlap: chunk i is
-multiplied while the collective of chunk i+1 is issued and not yet waited for (forward), and each chunk's
-reduce-scatter is still in flight while the next chunk is multiplied (backward). Plus chunk bounds and refusals."""
+(MoE experts, empty ones included) equal within GEMM rounding to references built from every rank's data; and the
+trace of the work shows the overlap: chunk i is multiplied while the collective of chunk i+1 is issued and not yet
+waited for (forward), and each chunk's reduce-scatter is still in flight while the next chunk is multiplied
+(backward). Plus chunk bounds, refusals, the linear's arguments bound as the installed megatron-core orders them,
+and a GTP-sharded weight (megatron-core 0.19) left to megatron."""
 
 import argparse
+import inspect
 import os
+from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -192,3 +197,78 @@ def test_each_chunk_is_multiplied_while_the_next_collective_is_in_flight(two_ran
         assert at[("issue reduce-scatter", c)] < at[("matmul", c + 1)] < at[("wait reduce", c)]
     # the weight gradient runs while the reduce-scatters are still in flight
     assert at[("weight gradient", 3)] < at[("wait reduce", 0)]
+
+
+class _TwoRanks:
+    """A stand-in tensor-parallel group: the wrappers only ask its size before handing it on."""
+
+    @staticmethod
+    def size():
+        return TP
+
+
+def _installed_linear():
+    from megatron.core.tensor_parallel import layers
+
+    return layers.linear_with_grad_accumulation_and_async_allreduce
+
+
+def _megatrons_path(ran: list):
+    """A stand-in for megatron's linear function with the installed release's signature, noting that it ran."""
+
+    def linear(*args, **kwargs):
+        ran.append("megatron")
+
+    linear.__signature__ = inspect.signature(_installed_linear())
+    return linear
+
+
+def _chunked_path(monkeypatch, reached: list):
+    class Chunked:
+        @staticmethod
+        def apply(*args):
+            reached.append(args)
+
+    monkeypatch.setattr(coc, "AllGatherMatmul", Chunked)
+    monkeypatch.setattr(coc, "MatmulReduce", Chunked)
+
+
+def test_the_linear_arguments_bind_as_the_installed_release_orders_them(monkeypatch):
+    """Positional arguments up to tp_group, in the installed order (0.16's async_grad_allreduce sits before
+    tp_group; 0.17 dropped it): the group given reaches the chunked all-gather."""
+    ran, reached = [], []
+    _chunked_path(monkeypatch, reached)
+    names = list(inspect.signature(_installed_linear()).parameters)
+    group, x, w = _TwoRanks(), torch.zeros(4, BATCH, HIDDEN), torch.zeros(OUT, HIDDEN)
+    values = dict(input=x, weight=w, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+                  sequence_parallel=True, grad_output_buffer=None, wgrad_deferral_limit=0, tp_group=group)
+    args = tuple(values.get(name) for name in names[:names.index("tp_group") + 1])
+    linears = coc.ChunkedLinears(2)
+    linears.linear_under_sequence_parallel(_megatrons_path(ran), None, args, {})
+    assert not ran and len(reached) == 1
+    assert reached[0][0] is x and reached[0][1] is w and reached[0][5] is group
+    assert linears.calls == Counter({"column-parallel all-gather": 1})
+
+
+def test_a_gtp_sharded_weight_takes_megatrons_path(monkeypatch):
+    """megatron 0.19's GTP weight rematerialisation (gtp_remat_size > 1) gathers the weight shard inside its own
+    autograd function: both linears leave such a weight to megatron."""
+    if "gtp_remat_size" not in inspect.signature(_installed_linear()).parameters:
+        pytest.skip("the installed megatron-core has no GTP weight rematerialisation")
+    ran, reached = [], []
+    _chunked_path(monkeypatch, reached)
+    linears = coc.ChunkedLinears(2)
+    x, w = torch.zeros(4, BATCH, HIDDEN), torch.zeros(OUT, HIDDEN, requires_grad=True)
+    kwargs = dict(bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False, sequence_parallel=True,
+                  grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=_TwoRanks())
+    linears.linear_under_sequence_parallel(_megatrons_path(ran), None, (x, w), dict(kwargs, gtp_remat_size=2))
+    row = SimpleNamespace(input_is_parallel=True, explicit_expert_comm=False, weight=w, tp_group=_TwoRanks(),
+                          config=SimpleNamespace(_cpu_offloading_context=None), sequence_parallel=True,
+                          gradient_accumulation_fusion=False, skip_bias_add=True, bias=None, gtp_remat_size=2)
+    linears.row_parallel_forward(lambda *a, **k: ran.append("megatron row"), row, (x,), {})
+    assert ran == ["megatron", "megatron row"] and not reached and not linears.calls
+    # the same calls without GTP go by chunks
+    linears.linear_under_sequence_parallel(_megatrons_path(ran), None, (x, w), dict(kwargs, gtp_remat_size=1))
+    row.gtp_remat_size = 1
+    linears.row_parallel_forward(lambda *a, **k: ran.append("megatron row"), row, (x,), {})
+    assert len(reached) == 2 and sum(linears.calls.values()) == 2
