@@ -12,7 +12,7 @@ import sys
 import pytest
 from feature_runs import assert_run_passes
 
-from mm_adaptor import features, versions
+from mm_adaptor import contracts, features, versions
 from mm_adaptor.harness import composition
 from mm_adaptor.train import hybrid
 from mm_adaptor.train.arguments import LayoutError, finalize_args, parse_args
@@ -153,3 +153,24 @@ def test_mamba_and_gated_delta_net_refuse_in_one_line_naming_the_package(pattern
     lines = [line for line in done.stderr.splitlines() if line.startswith("mm-adaptor train: error:")]
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert package in lines[0] and "not installed" in lines[0], lines[0]
+
+
+@pytest.mark.distributed
+def test_a_swap_that_brings_back_another_layers_tensors_fails_on_a_hybrid_model(monkeypatch):
+    """The broken swap-attention variant reaches the HybridStack's layers too (through the same wraps), so its
+    wrong prefetch must fail there; the unpatched run is the exact group's (cached)."""
+    from pathlib import Path
+
+    from mm_adaptor import harness
+
+    if "swap-attention" not in {f.name for f in SERVING}:
+        pytest.skip("swap-attention does not serve here")
+    exact = next(run for run in runs() if run.exact)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "distributed"))
+    # the test variant is recorded as verified on the base release only (contracts.VERIFIED_ON is by name)
+    monkeypatch.setenv(contracts.ALLOW_MISMATCH_ENV, "1")
+    with harness.extra_feature_module("broken_swap_attention_feature"):
+        result = harness.compare(["--use-test-swap-attention-other-layer"], extra_args=exact.base_args(),
+                                 nproc=exact.nproc, iters=3)
+    assert not result.passed
+    assert result.grads.failures, "the wrong tensors reach the gradients"
