@@ -120,8 +120,8 @@ def problems(args: argparse.Namespace) -> list[str]:
     if len(parts) > 1:
         if pp < 2:
             found.append(f"{FLAG} {pattern!r} has {len(parts)} pipeline segments ('|') but "
-                         f"--pipeline-model-parallel-size is {pp}: give {len(parts)} (or a divisor of it from 2 up), or "
-                         "drop the '|'")
+                         f"--pipeline-model-parallel-size is {pp}: give {len(parts)} (or a divisor of it from 2 up), "
+                         "or drop the '|'")
         elif len(parts) % pp != 0:
             found.append(f"{FLAG} {pattern!r} has {len(parts)} pipeline segments, not divisible by "
                          f"--pipeline-model-parallel-size {pp}: give a multiple of {pp} segments")
