@@ -1,24 +1,42 @@
-"""--use-fused-gmm: --moe-grouped-gemm runs on the native grouped_matmul, without Transformer Engine or grouped_gemm."""
+"""--use-fused-gmm: --moe-grouped-gemm runs on the native grouped_matmul, without Transformer Engine or grouped_gemm.
+
+megatron-core 0.16 builds GroupedMLP for --moe-grouped-gemm with the local spec (its grouped_gemm package patched
+out); 0.17 removed GroupedMLP and grouped_gemm_util, and the local spec builds SequentialMLP for it (experts one
+after the other): there the same flag makes SequentialMLP run every local expert's fc1 and fc2 as one
+grouped_matmul each. Each generation's patches are applied where their targets exist."""
+
+from collections import Counter
 
 from mm_adaptor.features import Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register, require_local_spec
 
 GROUPED_GEMM_UTIL = "megatron.core.transformer.moe.grouped_gemm_util"
+SEQUENTIAL_MLP_FORWARD = "megatron.core.transformer.moe.experts.SequentialMLP.forward"
 
 
 @register
 class FusedGroupedMatmul(Feature):
     name = "fused-gmm"
-    description = ("--moe-grouped-gemm's GroupedMLP runs mm_adaptor::grouped_matmul (one call per expert group, "
-                   "any dtype) instead of the grouped_gemm package; works with expert parallelism")
+    description = ("--moe-grouped-gemm's experts run mm_adaptor::grouped_matmul (one call per expert group, any "
+                   "dtype): megatron-core 0.16's GroupedMLP instead of the grouped_gemm package; 0.17+'s SequentialMLP "
+                   "(what the local spec builds there) instead of one GEMM pair per expert; works with expert "
+                   "parallelism")
     flags = (Flag("--use-fused-gmm", description),)
     tolerance = fused_kernel_tolerance("per-expert GEMMs on x @ W instead of F.linear(x, W^T) in SequentialMLP")
-    # GroupedMLP stores all local experts in two matrices; SequentialMLP one Linear pair per expert.
+    # 0.16: GroupedMLP stores all local experts in two matrices; SequentialMLP one Linear pair per expert (0.17+
+    # keeps SequentialMLP's layout: starting both runs from one checkpoint changes nothing there).
     changes_parameter_layout = True
     # Megatron-LM asserts compute capability >= 8 for --moe-grouped-gemm (the grouped_gemm package's CUTLASS
     # kernels); the native op has no such limit, so that check runs with the flag hidden.
     megatron_lm_validation_overrides = {"moe_grouped_gemm": False}
-    # Unpatched, --moe-grouped-gemm needs the grouped_gemm package: the baseline is SequentialMLP, the same math.
+    # Unpatched, --moe-grouped-gemm needs the grouped_gemm package (0.16): the baseline is SequentialMLP, the same
+    # math (on 0.17+ unpatched --moe-grouped-gemm builds SequentialMLP anyway).
     unpatched_baseline_omits = ("--moe-grouped-gemm",)
+
+    def __init__(self):
+        self.grouped = Counter()  # 0.17+: SequentialMLP forwards grouped / left to megatron, GEMMs, in this process
+
+    def statistics(self):
+        return dict(self.grouped) or None
 
     def validate(self, options):
         if not getattr(options, "num_experts", None):
@@ -28,7 +46,8 @@ class FusedGroupedMatmul(Feature):
                                      "or drop --use-fused-gmm")
         bias = getattr(options, "add_bias_linear", not getattr(options, "disable_bias_linear", False))
         if bias:
-            raise FeatureConfigError("GroupedMLP has no expert biases: add --disable-bias-linear")
+            raise FeatureConfigError("the grouped expert GEMMs take no expert biases (nor did GroupedMLP): add "
+                                     "--disable-bias-linear")
         if getattr(options, "moe_apply_probs_on_input", False) and getattr(options, "moe_router_topk", 1) != 1:
             from mm_adaptor.patches.transformer.moe_grouped_gemm import PROBS_ON_INPUT_REFUSAL
 
@@ -39,11 +58,17 @@ class FusedGroupedMatmul(Feature):
         from mm_adaptor.patches.transformer import moe_grouped_gemm as native
         from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
+        from megatron.core.transformer.moe import experts
+
         contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
         ps = PatchSet(self.name)
-        ps.replace(f"{GROUPED_GEMM_UTIL}.grouped_gemm_is_available", native.grouped_gemm_is_available,
-                   contract=contract)
-        ps.replace(f"{GROUPED_GEMM_UTIL}.ops", native.NATIVE_GROUPED_GEMM_OPS, contract=contract)
-        ps.replace("megatron.core.transformer.moe.experts.GroupedMLP.forward", native.grouped_mlp_forward,
-                   contract=contract)
+        if hasattr(experts, "GroupedMLP"):  # megatron-core <= 0.16; 0.17 removed it and grouped_gemm_util
+            ps.replace(f"{GROUPED_GEMM_UTIL}.grouped_gemm_is_available", native.grouped_gemm_is_available,
+                       contract=contract)
+            ps.replace(f"{GROUPED_GEMM_UTIL}.ops", native.NATIVE_GROUPED_GEMM_OPS, contract=contract)
+            ps.replace("megatron.core.transformer.moe.experts.GroupedMLP.forward", native.grouped_mlp_forward,
+                       contract=contract)
+        # 0.17+: --moe-grouped-gemm's SequentialMLP. Registered on every version (so its fingerprints are recorded
+        # from the base release too); on 0.16 nothing reaches it, as --moe-grouped-gemm builds GroupedMLP there.
+        ps.wrap(SEQUENTIAL_MLP_FORWARD, native.sequential_mlp_forward_grouped(self.grouped), contract=contract)
         return [ps]
