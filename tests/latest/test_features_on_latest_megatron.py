@@ -1,7 +1,8 @@
 """On the installed megatron-core (0.17 or newer): each built-in feature either serves, because the code of every
 upstream function it patches equals a release it was verified on, and then passes check against unpatched Megatron
 with its wrappers called; or it refuses in one line naming the changed function. Serving features run grouped, as
-the pair matrix groups them: one bit-for-bit run of the exact ones, one calibrated run of the others."""
+the pair matrix groups them: bit-for-bit runs of the exact ones, then calibrated runs of the others, each run as
+many of them as validate together."""
 
 import pytest
 from feature_runs import assert_run_passes
@@ -17,15 +18,25 @@ SERVING = [f for f in BUILT_IN if not STATES[f.name].refusals]
 REFUSED = [f for f in BUILT_IN if STATES[f.name].refusals]
 
 
+def _parallel(members) -> frozenset:
+    return frozenset({"tp"}).union(*(composition.needs_of(f).parallel for f in members))
+
+
 def runs() -> list[composition.Run]:
+    """The exact features, then the others: each run takes every remaining feature of its kind that validates with
+    those already in it (features that keep the same optimizer state are refused together, so they go to the next
+    run)."""
     groups = []
     for exact in (True, False):
-        members = tuple(f for f in SERVING if f.tolerance.exact == exact)
-        if not members:
-            continue
-        parallel = frozenset({"tp"}).union(*(composition.needs_of(f).parallel for f in members))
-        assert composition.refusal(members, parallel) is None, [f.name for f in members]
-        groups.append(composition.Run(members, parallel))
+        pending = [f for f in SERVING if f.tolerance.exact == exact]
+        while pending:
+            members: list = []
+            for feature in pending:
+                if composition.refusal((*members, feature), _parallel((*members, feature))) is None:
+                    members.append(feature)
+            assert members, [f.name for f in pending]
+            groups.append(composition.Run(tuple(members), _parallel(members)))
+            pending = [f for f in pending if f not in members]
     return groups
 
 
