@@ -3,7 +3,7 @@
 python benchmarks/megatron_lm_e2e.py --megatron-lm /path/to/Megatron-LM [--device cuda|cpu] [--variants ...]
        [--num-layers 8 --hidden-size 2048 ...] [-- more pretrain_gpt.py arguments]
 
-Each variant runs `torchrun --standalone --nproc-per-node 1` on a small wrapper (this file with --worker) that
+Each variant runs `torchrun --standalone --nproc-per-node N` (default 1) on a small wrapper (this file with --worker) that
 puts the Megatron-LM checkout first on sys.path, imports `mm_adaptor.megatron_adaptor` (all variants but
 "unpatched") and runs pretrain_gpt.py with runpy, so no edited copy of the script is needed. Mock data, local
 spec, RMSNorm, SwiGLU, RoPE; dropout off so the losses compare. Megatron-LM's fusion defaults that need
@@ -49,6 +49,14 @@ VARIANTS = {
     "recompute-activation-function": ("--recompute-activation-function", True, ("--recompute-activation-function",)),
     "swap-attention": ("--swap-attention", True, ("--swap-attention", "--swap-min-bytes", "0")),
     "optimize-vocab-parallel-ce": ("--optimize-vocab-parallel-ce", True, ("--optimize-vocab-parallel-ce",)),
+    # features that act only in a parallel layout: give it to every variant (--nproc-per-node 2 -- layout flags),
+    # the import without flags in the same layout being the reference (benchmarks/RESULTS.md has the commands)
+    "coc": ("--use-coc", True, ("--use-coc",)),
+    "vpp-extra-warmup": ("--vpp-extra-warmup", True, ("--vpp-extra-warmup",)),
+    "fused-gmm": ("--use-fused-gmm", True, ("--use-fused-gmm",)),
+    "reuse-fp32-param": ("--reuse-fp32-param", True, ("--reuse-fp32-param",)),
+    "swap-optimizer": ("--swap-optimizer", True, ("--swap-optimizer",)),
+    "virtual-optimizer": ("--virtual-optimizer", True, ("--virtual-optimizer", "1")),
 }
 DEFAULT_VARIANTS = ("unpatched", "import", "fused-rmsnorm", "fused-swiglu", "fused-rotary-pos-emb", "flash-attn", "all")
 # (cuda, cpu) defaults of the model options
@@ -216,7 +224,7 @@ def megatron_arguments(opts) -> list[str]:
 
 def variant_command(name: str, opts) -> list[str]:
     _, with_adaptor, flags = VARIANTS[name]
-    return [opts.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+    return [opts.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(opts.nproc_per_node),
             os.path.abspath(__file__), "--worker", "adaptor" if with_adaptor else "plain",
             str(Path(opts.megatron_lm) / "pretrain_gpt.py"), *megatron_arguments(opts), *flags]
 
@@ -286,6 +294,8 @@ def parse_options(argv):
                             help=f"default {cuda_default} on CUDA, {cpu_default} on the CPU")
     parser.add_argument("--fp32", action="store_true", help="CUDA: train in fp32 instead of bf16")
     parser.add_argument("--python", default=sys.executable, help="the interpreter that runs torchrun")
+    parser.add_argument("--nproc-per-node", type=int, default=1,
+                        help="ranks per variant (with the layout's flags after --, e.g. -- --tensor-model-parallel-size 2)")
     parser.add_argument("--log-dir", help="keep each variant's log here (default: a new temporary directory)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per variant")
     opts = parser.parse_args(argv)

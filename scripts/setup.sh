@@ -1,13 +1,41 @@
 #!/usr/bin/env bash
-# Create .venv with the CPU build of PyTorch, megatron-core 0.16.x and mm_adaptor (editable) with the test and vlm extras.
+# Set up a venv with mm_adaptor (editable) and its test and vlm extras (idempotent).
+#   bash scripts/setup.sh          .venv: python3 (3.10/3.11), the local CPU build of PyTorch, megatron-core 0.16.1
+#                                  (the newest release for Python < 3.12); the base the suite runs on.
+#   bash scripts/setup.sh latest   .venv-latest: a Python >= 3.12, the registry's torch, the newest megatron-core
+#                                  pyproject.toml allows ($MEGATRON_CORE_LATEST, default 0.19.2): 0.17+ ship for
+#                                  Python >= 3.12 only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
+EXTRAS=${MM_ADAPTOR_EXTRAS:-test,vlm}
+
+# A Python >= 3.12: $PYTHON312, else python3.12/python3.13 on PATH, else one pyenv installed but did not activate.
+find_python312() {
+  local candidate
+  for candidate in ${PYTHON312:-} python3.12 python3.13 $(ls -d "$(pyenv root 2>/dev/null)"/versions/3.1[2-9]*/bin/python3 2>/dev/null); do
+    if "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then echo "$candidate"; return; fi
+  done
+}
+
+if [ "${1:-}" = latest ]; then
+  VENV=${MM_ADAPTOR_LATEST_VENV:-.venv-latest}
+  MEGATRON_SPEC="megatron-core==${MEGATRON_CORE_LATEST:-0.19.2}"
+  PYTHON=$(find_python312)
+  if [ -z "$PYTHON" ]; then
+    echo "setup.sh latest: no Python >= 3.12 found (megatron-core 0.17+ needs it; set PYTHON312)" >&2
+    exit 2
+  fi
+else
+  VENV=.venv
+  MEGATRON_SPEC="megatron-core==0.16.1"
+  PYTHON=${PYTHON:-python3}
 fi
-. .venv/bin/activate
-# Install torch first so the dependency resolver keeps this build (no CUDA wheel is pulled in).
-python -c "import torch" 2>/dev/null || python -m pip install -q "$TORCH_SPEC"
-python -m pip install -q -e ".[test,vlm]"
+
+start=$(date +%s)
+created=no
+[ -x "$VENV/bin/python" ] || { "$PYTHON" -m venv "$VENV"; created=yes; }
+# torch first, so the resolver keeps this build (the local CPU wheel for 3.11; a registry wheel for 3.12)
+"$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
+"$VENV/bin/python" -m pip install -q "$MEGATRON_SPEC" -e ".[$EXTRAS]"
+[ "$created" = no ] || echo "set up $VENV ($("$VENV/bin/python" --version), $MEGATRON_SPEC) in $(( $(date +%s) - start )) s" >&2
