@@ -53,7 +53,8 @@ VARIANTS = {
     # the import without flags in the same layout being the reference (benchmarks/RESULTS.md has the commands)
     "coc": ("--use-coc", True, ("--use-coc",)),
     "vpp-extra-warmup": ("--vpp-extra-warmup", True, ("--vpp-extra-warmup",)),
-    "fused-gmm": ("--use-fused-gmm", True, ("--use-fused-gmm",)),
+    # Megatron-LM refuses --moe-grouped-gemm without a GPU; with the feature it builds the same experts (0.17+)
+    "fused-gmm": ("--use-fused-gmm", True, ("--use-fused-gmm", "--moe-grouped-gemm")),
     "reuse-fp32-param": ("--reuse-fp32-param", True, ("--reuse-fp32-param",)),
     "swap-optimizer": ("--swap-optimizer", True, ("--swap-optimizer",)),
     "virtual-optimizer": ("--virtual-optimizer", True, ("--virtual-optimizer", "1")),
@@ -92,6 +93,13 @@ def worker(argv: list[str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+def last_rank() -> bool:
+    """One rank prints the probe (the last holds the loss in every layout; ranks' lines would interleave)."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
 def install_loss_probe() -> None:
     """Print each iteration's exact lm loss (a float.hex) from the loss_dict Megatron's training_log receives."""
     import inspect
@@ -104,7 +112,7 @@ def install_loss_probe() -> None:
     def training_log(*args, **kwargs):
         bound = signature.bind_partial(*args, **kwargs).arguments
         value = (bound.get("loss_dict") or {}).get("lm loss")
-        if value is not None and "iteration" in bound:
+        if value is not None and "iteration" in bound and last_rank():
             loss = float(value.float().sum()) if hasattr(value, "float") else float(value)
             print(f"{LOSS_PROBE} iteration {bound['iteration']} lm loss: {loss.hex()}", flush=True)
         return original(*args, **kwargs)
