@@ -199,31 +199,14 @@ def local_stack_spec(args):
     return ModuleSpec(module=_local_stack_class(), submodules=submodules)
 
 
-def build_model(args, config, device):
-    """This rank's HybridModel chunks (one per virtual stage) on `device`."""
-    from megatron.core import parallel_state as ps
+def model_factory(args, config):
+    """HybridModel with the local stack spec and the pattern; train.model builds one per virtual stage."""
+    import functools
+
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    spec = local_stack_spec(args)
-    vpp = args.virtual_pipeline_model_parallel_size
-    chunks = []
-    for vp_stage in range(vpp or 1):
-        stage = vp_stage if vpp else None
-        chunks.append(HybridModel(
-            config=config,
-            hybrid_stack_spec=spec,
-            vocab_size=args.vocab_size,
-            max_sequence_length=args.max_position_embeddings,
-            hybrid_layer_pattern=args.hybrid_layer_pattern,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            parallel_output=True,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
-            rotary_percent=args.rotary_percent,
-            vp_stage=stage,
-        ).to(device))
-    return chunks
+    return functools.partial(HybridModel, config=config, hybrid_stack_spec=local_stack_spec(args),
+                             hybrid_layer_pattern=args.hybrid_layer_pattern)
 
 
 def layer_kinds(chunks) -> dict[str, str]:

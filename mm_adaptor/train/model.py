@@ -5,6 +5,7 @@ build on it), and torch and megatron only when called."""
 from __future__ import annotations
 
 import argparse
+import functools
 
 
 def unwrap(chunk):
@@ -105,20 +106,26 @@ def build_model(args, config, device):
     if getattr(args, "hybrid_layer_pattern", None) is not None:
         from mm_adaptor.train import hybrid
 
-        return hybrid.build_model(args, config, device)
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        make = hybrid.model_factory(args, config)
+    else:
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
-                                    normalization=args.normalization)
+        spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
+                                        normalization=args.normalization)
+        make = functools.partial(GPTModel, config=config, transformer_layer_spec=spec)
+    return per_virtual_stage(args, device, make)
+
+
+def per_virtual_stage(args, device, make):
+    """One chunk per virtual pipeline stage (one without VPP): make(...) with the stage's pre/post process."""
+    from megatron.core import parallel_state as ps
+
     vpp = args.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        chunks.append(GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
+        chunks.append(make(
             vocab_size=args.vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
