@@ -151,7 +151,8 @@ class PieceWriter:
                 continue
             for key, storage in meta.state_dict_metadata.items():
                 if key in merged.state_dict_metadata:
-                    merged.state_dict_metadata[key].chunks.extend(storage.chunks)
+                    if hasattr(storage, "chunks"):  # a bytes object (each piece saves it: 0.19) has none
+                        merged.state_dict_metadata[key].chunks.extend(storage.chunks)
                 else:
                     merged.state_dict_metadata[key] = storage
             merged.storage_data.update(meta.storage_data)
