@@ -260,6 +260,10 @@ def identity_verdict(runs: dict) -> str | None:
     return None
 
 
+def precision(opts) -> str:
+    return "bf16" if "--bf16" in opts.extra or (opts.device != "cpu" and not opts.fp32) else "fp32"
+
+
 def print_table(runs: dict, opts) -> str:
     """Prints the table; returns the reference variant's name."""
     reference_name = "unpatched" if runs.get("unpatched") and runs["unpatched"].status == "ok" else "import"
@@ -268,7 +272,7 @@ def print_table(runs: dict, opts) -> str:
     ref_label = VARIANTS[reference_name][0]
     print(f"\n# Megatron-LM pretrain_gpt.py, {opts.device}: {opts.num_layers} layers, hidden {opts.hidden_size}, "
           f"{opts.num_attention_heads} heads, seq {opts.seq_length}, micro-batch {opts.micro_batch_size}, "
-          f"{'fp32' if opts.device == 'cpu' or opts.fp32 else 'bf16'}, {opts.train_iters} iterations "
+          f"{precision(opts)}, {opts.train_iters} iterations "
           f"(ms/iter: median after {opts.warmup_iters}); logs in {opts.log_dir}")
     columns = ["variant", "ms/iter", f"speedup vs {ref_label}", "max allocated GiB",
                f"max rel. loss diff vs {ref_label}"]
