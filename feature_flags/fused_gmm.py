@@ -68,7 +68,6 @@ class FusedGroupedMatmul(Feature):
             ps.replace(f"{GROUPED_GEMM_UTIL}.ops", native.NATIVE_GROUPED_GEMM_OPS, contract=contract)
             ps.replace("megatron.core.transformer.moe.experts.GroupedMLP.forward", native.grouped_mlp_forward,
                        contract=contract)
-        # 0.17+: --moe-grouped-gemm's SequentialMLP. Registered on every version (so its fingerprints are recorded
-        # from the base release too); on 0.16 nothing reaches it, as --moe-grouped-gemm builds GroupedMLP there.
-        ps.wrap(SEQUENTIAL_MLP_FORWARD, native.sequential_mlp_forward_grouped(self.grouped), contract=contract)
+        else:  # 0.17+: --moe-grouped-gemm builds SequentialMLP (scripts/fingerprint_megatron.py records this target)
+            ps.wrap(SEQUENTIAL_MLP_FORWARD, native.sequential_mlp_forward_grouped(self.grouped), contract=contract)
         return [ps]

@@ -76,6 +76,21 @@ def include_megatron_lm_legacy_targets() -> None:
         backend_module.legacy_fused_kernels_present = lambda: True
 
 
+def targets_without_grouped_mlp() -> set[str]:
+    """The targets registered as on megatron-core 0.17+, where GroupedMLP is gone (fused-gmm then wraps
+    SequentialMLP): the base release's environment registers the 0.16 ones only."""
+    from megatron.core.transformer.moe import experts
+
+    from mm_adaptor.versions import registered_megatron_patches
+
+    grouped_mlp = experts.__dict__.pop("GroupedMLP", None)
+    try:
+        return {patch.target for patch in registered_megatron_patches([])}
+    finally:
+        if grouped_mlp is not None:
+            experts.GroupedMLP = grouped_mlp
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repo", required=True, help="a Megatron-LM git directory (bare or .git) with the tags")
@@ -89,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     include_megatron_lm_legacy_targets()
 
     errors: list[str] = []
-    targets = sorted({patch.target for patch in registered_megatron_patches(errors)})
+    targets = sorted({patch.target for patch in registered_megatron_patches(errors)} | targets_without_grouped_mlp())
     for error in errors:
         print(f"note: {error}", file=sys.stderr)
     text = build(args.repo, args.tags, targets)
