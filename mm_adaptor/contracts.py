@@ -147,8 +147,17 @@ def installed_version(package: str = MEGATRON_CORE) -> str | None:
         return None
 
 
+# Test variants that patch a feature's own upstream functions (deliberately broken copies for the self-tests):
+# name -> the feature whose verified versions they share (verified_like).
+STANDS_IN_FOR: dict[str, str] = {}
+
+
+def verified_like(stand_in: str, feature: str) -> None:
+    STANDS_IN_FOR[stand_in] = feature
+
+
 def verified_versions(feature: str) -> tuple[str, ...]:
-    return VERIFIED_ON.get(feature, DEFAULT_VERIFIED)
+    return VERIFIED_ON.get(STANDS_IN_FOR.get(feature, feature), DEFAULT_VERIFIED)
 
 
 def recorded_fingerprints(target: str) -> dict[str, str | None] | None:

@@ -2,6 +2,7 @@
 ranks through MM_ADAPTOR_FEATURE_MODULES): its split keeps the bf16 high half and drops the low bits, so each
 step starts from the rounded main parameters. It claims bit-for-bit and must fail."""
 
+from mm_adaptor import contracts
 from mm_adaptor.features import BIT_FOR_BIT, Feature, Flag, register
 
 
@@ -17,3 +18,7 @@ class ReuseFp32ParamLosingLowBits(Feature):
         from mm_adaptor.patches.optimizer.reuse_fp32_param import Patches
 
         return [patch_set(self.name, Patches(budget_bytes=2**20, keep_low_bits=False))]
+
+
+# the same upstream functions as reuse-fp32-param's patches: its verified megatron-core versions
+contracts.verified_like(ReuseFp32ParamLosingLowBits.name, "reuse-fp32-param")

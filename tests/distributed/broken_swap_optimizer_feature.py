@@ -2,6 +2,7 @@
 ranks through MM_ADAPTOR_FEATURE_MODULES): tensors of one shape share one host buffer, so a buffer is reused before
 the values it holds have been fetched back. It claims bit-for-bit and must fail."""
 
+from mm_adaptor import contracts
 from mm_adaptor.features import BIT_FOR_BIT, Feature, Flag, register
 
 
@@ -32,3 +33,7 @@ class SwapOptimizerReusingBuffers(Feature):
         from mm_adaptor.patches.optimizer.swap_optimizer import Patches
 
         return [patch_set(self.name, Patches(_sharing_state_class(), budget_bytes=2**20))]
+
+
+# the same upstream functions as swap-optimizer's patches: its verified megatron-core versions
+contracts.verified_like(SwapOptimizerReusingBuffers.name, "swap-optimizer")

@@ -2,6 +2,7 @@
 ranks through MM_ADAPTOR_FEATURE_MODULES): moving a moment to host memory loses its values (the new buffer starts
 at zero). It claims bit-for-bit and must fail, in fp32 and bf16."""
 
+from mm_adaptor import contracts
 from mm_adaptor.features import BIT_FOR_BIT, Feature, Flag, register
 
 
@@ -21,3 +22,7 @@ class VirtualOptimizerLosingMoments(Feature):
         from mm_adaptor.patches.optimizer.virtual_optimizer import Patches
 
         return [patch_set(self.name, Patches(budget_bytes=math.inf, place=torch.zeros_like))]
+
+
+# the same upstream functions as virtual-optimizer's patches: its verified megatron-core versions
+contracts.verified_like(VirtualOptimizerLosingMoments.name, "virtual-optimizer")

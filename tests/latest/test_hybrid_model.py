@@ -19,7 +19,9 @@ from mm_adaptor.train.arguments import LayoutError, finalize_args, parse_args
 
 BUILT_IN = sorted(features.built_in_features(), key=lambda f: f.name)
 STATES = {state.name: state for state in versions.feature_states()}
-SERVING = [f for f in BUILT_IN if not STATES[f.name].refusals]
+# The optimizer-state features act on the optimizer, not on layers: tests/latest/test_optimizer_features_on_latest.py
+OPTIMIZER_STATE = {"reuse-fp32-param", "swap-optimizer", "virtual-optimizer"}
+SERVING = [f for f in BUILT_IN if not STATES[f.name].refusals and f.name not in OPTIMIZER_STATE]
 
 
 def pattern_for(parallel: frozenset) -> str:
