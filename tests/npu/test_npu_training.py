@@ -112,4 +112,5 @@ def test_broken_rng_redirect_is_caught(runs):
 
 
 def test_unmapped_cuda_device_argument_is_caught(runs):
-    assert "CUDA" in runs["npu_broken_device"].get("error", ""), runs["npu_broken_device"]
+    error = runs["npu_broken_device"].get("error", "")
+    assert "CUDA" in error or "NVIDIA" in error, runs["npu_broken_device"]  # a CPU or a CUDA build of torch

@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+from mm_adaptor import contracts
 from mm_adaptor.patching import (
     ALLOW_MISMATCH_ENV,
     Contract,
@@ -502,7 +503,7 @@ def test_patch_set_helpers_and_order(fake):
 # --- real megatron-core ----------------------------------------------------------------------------------
 
 
-def test_megatron_divide_copies_are_rebound_and_restored():
+def test_megatron_divide_copies_are_rebound_and_restored(monkeypatch):
     import megatron.core.tensor_parallel  # noqa: F401  (imports layers, which copy divide too)
     import megatron.core.tensor_parallel.utils as tp_utils
     import megatron.core.utils as core_utils
@@ -520,6 +521,7 @@ def test_megatron_divide_copies_are_rebound_and_restored():
         return wrapped(*args, **kwargs)
 
     version = importlib.metadata.version("megatron-core")
+    monkeypatch.setitem(contracts.VERIFIED_ON, "demo", (version,))  # no table lists divide: verified here, as pinned
     patch = Patch("megatron.core.tensor_parallel.utils.divide", count, mode="wrap", feature="demo",
                   contract=Contract(versions=f"=={version}", fingerprint=fingerprint(original)))
     patch.apply()
