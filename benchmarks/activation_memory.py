@@ -9,20 +9,34 @@ what was allocated before it; on the CPU the peak growth of the process's reside
 
     python benchmarks/activation_memory.py                      # the device torch sees (CUDA if any), bf16 on CUDA
     python benchmarks/activation_memory.py --device cpu --steps 2 --warmup 1
+    python benchmarks/activation_memory.py --device cpu --seq 512 --native   # and megatron-core's own mechanisms
+
+megatron-core's own mechanisms are opt-in (--native adds the NATIVE list; --configs takes any of these names):
+"megatron-recompute-M[+M...]" builds the block with recompute_granularity="selective", recompute_modules=[M, ...];
+"megatron-offload-M[+M...]" with fine_grained_activation_offloading=True, offload_modules=[M, ...] (driven as
+GPTModel and the schedules drive it: a chunk handler before each forward, a reset after each backward; its saved
+bytes are read after megatron's planning iteration, on the step after). No mm_adaptor feature is on in them besides
+the fused kernels every row shares. A configuration megatron-core refuses, when the config is built or during the
+step, prints one line saying so and where it was raised, and the run goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import inspect
 import os
 import statistics
 import sys
 import threading
 import time
+import traceback
+import weakref
 
 import torch
 
-from _common import device_name, init_single_rank, llama_like_driver_options
+from _common import device_name, init_single_rank, llama_like_driver_options, package_version
 
 CONFIGS = {
     "unpatched": [],
@@ -31,6 +45,21 @@ CONFIGS = {
     "both": ["--recompute-activation-function", "--swap-attention"],
 }
 FUSED = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb", "--use-flash-attn"]
+# megatron-core's own mechanisms, by TransformerConfig field (see the module docstring); module names joined by "+"
+NATIVE_RECOMPUTE, NATIVE_OFFLOAD = "megatron-recompute-", "megatron-offload-"
+NATIVE = ["megatron-recompute-mlp", "megatron-recompute-layernorm", "megatron-recompute-core_attn",
+          "megatron-recompute-moe_act", "megatron-offload-core_attn",
+          "megatron-offload-attn_norm+qkv_linear+core_attn+attn_proj+mlp_norm"]
+
+
+def native_fields(name: str) -> dict:
+    """The TransformerConfig fields of a megatron-recompute-/megatron-offload- configuration ({} for ours)."""
+    for prefix, fields in ((NATIVE_RECOMPUTE, lambda m: dict(recompute_granularity="selective", recompute_modules=m)),
+                           (NATIVE_OFFLOAD, lambda m: dict(fine_grained_activation_offloading=True,
+                                                           offload_modules=m))):
+        if name.startswith(prefix):
+            return fields([m for m in name[len(prefix):].split("+") if m])
+    return {}
 
 
 def parse_args(argv=None):
@@ -46,12 +75,21 @@ def parse_args(argv=None):
     p.add_argument("--unfused", action="store_true", help=f"Megatron's own kernels instead of {' '.join(FUSED)}")
     p.add_argument("--steps", type=int, default=5, help="measured steps per configuration")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of: {', '.join(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma-separated subset of: {', '.join(CONFIGS)}; or megatron-core's own: "
+                        f"{NATIVE_RECOMPUTE}M[+M...] (recompute_modules), {NATIVE_OFFLOAD}M[+M...] (offload_modules)")
+    p.add_argument("--native", action="store_true",
+                   help=f"append megatron-core's own recompute and offloading to --configs: {', '.join(NATIVE)}")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    unknown = set(args.configs.split(",")) - set(CONFIGS)
+    names = args.configs.split(",")
+    if args.native:
+        names += [n for n in NATIVE if n not in names]
+    unknown = {n for n in names if n not in CONFIGS and not native_fields(n)}
     if unknown:
-        p.error(f"--configs: unknown {', '.join(sorted(unknown))}; choose from {', '.join(CONFIGS)}")
+        p.error(f"--configs: unknown {', '.join(sorted(unknown))}; choose from {', '.join(CONFIGS)}, "
+                f"{NATIVE_RECOMPUTE}M[+M...] or {NATIVE_OFFLOAD}M[+M...]")
+    args.configs = ",".join(names)
     return args
 
 
@@ -85,6 +123,100 @@ class ResidentPeak:
         self.growth = self.peak - self.start
 
 
+def refusal(error: BaseException) -> str:
+    """One line: what megatron-core raised and where (its innermost frame under megatron/)."""
+    site = ""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        path = frame.filename.replace(os.sep, "/")
+        if "/megatron/core/" in path:
+            site = f" (megatron/core/{path.split('/megatron/core/', 1)[1]}:{frame.lineno})"
+            break
+    message = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {message}{site}"
+
+
+class _Offloaded:
+    """What the accountant sees of one tensor megatron's offload hooks packed (their saved_tensors_hooks shadow the
+    accountant's): where it lives at the end of forward, read from megatron's group. part "host": the host copy
+    once megatron copied it out; part "device": the device tensor while megatron keeps it, or after the copy while
+    something else still holds it (the block's input, a released residual reads 0 bytes)."""
+
+    def __init__(self, group, tag, tensor, part, param_storages):
+        self.group, self.tag, self.part = group, tag, part
+        self.tensor = weakref.ref(tensor)
+        self.param = tensor.untyped_storage().data_ptr() in param_storages
+
+    def memory_residence(self):
+        held = self.group._tensors.get(self.tag)
+        copied = isinstance(held, tuple)  # (device, host copy, pooled)
+        if self.part == "host":
+            if not copied:
+                return "host", ("not copied", id(self)), 0
+            storage = held[1].untyped_storage()
+            return "host", (storage.data_ptr(), storage.nbytes()), storage.nbytes()
+        tensor = held if isinstance(held, torch.Tensor) else self.tensor()
+        if tensor is None or self.param:
+            return "device", ("gone", id(self)), 0
+        storage = tensor.untyped_storage()
+        return "device", (storage.data_ptr(), storage.nbytes()), storage.nbytes()
+
+
+class NativeOffload:
+    """megatron-core's fine-grained activation offloading around a bare TransformerBlock, driven as GPTModel's
+    forward (a chunk handler per micro-batch, parameters marked not to offload) and the schedules (a reset after
+    backward) drive it; every tensor its hooks pack is reported to the accountant."""
+
+    def __init__(self, config, block):
+        from megatron.core.pipeline_parallel import fine_grained_activation_offload as offload
+
+        self.offload, self.config = offload, config
+        offload.PipelineOffloadManager.OFFLOAD_MGR = None  # a fresh singleton per configuration
+        manager = offload.PipelineOffloadManager.get_instance()
+        interface = offload.FineGrainedActivationOffloadingInterface
+        mark = getattr(interface, "mark_not_offload", None) or interface.mark_not_offloadable  # 0.19 / 0.16
+        for p in block.parameters():
+            mark(p)
+        param_storages = {p.untyped_storage().data_ptr() for p in block.parameters()}
+        pack = manager.on_save_for_backward
+
+        def on_save_for_backward(tensor):
+            from mm_adaptor.memory import notify_saved
+
+            packed = pack(tensor)
+            if isinstance(packed, tuple):
+                group = manager.cur_forward_chunk().offload_groups[packed[0] - 1]
+                for part in ("device", "host"):
+                    notify_saved(_Offloaded(group, packed, tensor, part, param_storages))
+            else:  # passed through untouched (0.19: parameters, tensors not on a 'cuda' device)
+                notify_saved(packed)
+            return packed
+
+        manager.on_save_for_backward = on_save_for_backward  # 0.16 pushes the bound method at each __enter__
+        if hasattr(manager, "_saved_tensors_hooks"):  # 0.19 builds its hooks once
+            manager._saved_tensors_hooks = torch.autograd.graph.saved_tensors_hooks(
+                on_save_for_backward, manager.on_get_saved_tensor)
+
+    def start(self):
+        """GPTModel.preprocess_for_fine_grained_offloading: a chunk handler for this micro-batch."""
+        c = self.config
+        known = dict(pp_rank=0, vp_size=c.virtual_pipeline_model_parallel_size, vp_stage=None,
+                     min_offloaded_tensor_size=c.min_offloaded_tensor_size,
+                     delta_offload_bytes_across_pp_ranks=getattr(c, "delta_offload_bytes_across_pp_ranks", 0),
+                     activation_offload_fraction=getattr(c, "activation_offload_fraction", 1.0),
+                     max_inflight_offloads=getattr(c, "fine_grained_offloading_max_inflight_offloads", None))
+        init = self.offload.FineGrainedActivationOffloadingInterface.init_chunk_handler
+        init(**{k: v for k, v in known.items() if k in inspect.signature(init).parameters})
+
+    def finish(self):
+        """The schedules' off_interface.reset() after forward-backward (its first one prints megatron's summary
+        table: to stderr, away from this script's table)."""
+        with contextlib.redirect_stdout(sys.stderr):
+            self.offload.FineGrainedActivationOffloadingInterface.reset()
+
+    def close(self):
+        self.offload.PipelineOffloadManager.OFFLOAD_MGR = None
+
+
 def measure(args, name, flags, device):
     import mm_adaptor
     from megatron.core import tensor_parallel
@@ -95,14 +227,26 @@ def measure(args, name, flags, device):
     from mm_adaptor.memory import SavedTensorAccountant
     from mm_adaptor.train.model import transformer_config
 
+    native = native_fields(name)
     options = driver_args(args, flags)
     mm_adaptor.enable(options)
+    offload = None
     try:
         torch.manual_seed(0)
         tensor_parallel.model_parallel_cuda_manual_seed(0)
         config = transformer_config(options)
-        block = TransformerBlock(config, get_gpt_layer_local_spec(normalization="RMSNorm"), post_process=False)
-        block = block.to(device)
+        try:
+            if native:
+                # megatron-core validates the fields itself (__post_init__ runs again)
+                config = dataclasses.replace(config, **native)
+            block = TransformerBlock(config, get_gpt_layer_local_spec(normalization="RMSNorm"), post_process=False)
+            block = block.to(device)
+            if getattr(config, "fine_grained_activation_offloading", False):
+                offload = NativeOffload(config, block)
+        except Exception as error:
+            if not native:
+                raise
+            return dict(name=name, refused=refusal(error))
         rope = RotaryEmbedding(kv_channels=args.hidden // args.heads, rotary_percent=1.0)(args.seq).to(device)
         dtype = getattr(torch, args.dtype)
         x = torch.randn(args.seq, args.micro_batch, args.hidden, dtype=dtype, device=device, requires_grad=True)
@@ -112,18 +256,34 @@ def measure(args, name, flags, device):
 
         def step(account=False):
             accountant = SavedTensorAccountant([model]) if account else None
-            with accountant.hooks() if accountant else torch.autograd.graph.saved_tensors_hooks(lambda t: t,
-                                                                                                 lambda t: t):
-                out = block(x, attention_mask=None, rotary_pos_emb=rope)
-            if accountant:
-                saved.update(device=sum(accountant.bytes_per_layer("device").values()),
-                             host=sum(accountant.bytes_per_layer("host").values()))
-                accountant.close()
+            if offload:
+                offload.start()
+            try:
+                with accountant.hooks() if accountant else torch.autograd.graph.saved_tensors_hooks(lambda t: t,
+                                                                                                     lambda t: t):
+                    # megatron's attn_norm offload frees the first layer's input outright (resize to 0, as its
+                    # forced_released_tensors): give it a copy of x, as GPTModel gives it a fresh embedding
+                    out = block(x.clone() if offload else x, attention_mask=None, rotary_pos_emb=rope)
+                if accountant:
+                    saved.update(device=sum(accountant.bytes_per_layer("device").values()),
+                                 host=sum(accountant.bytes_per_layer("host").values()))
+            finally:
+                if accountant:
+                    accountant.close()
             out.float().square().mean().backward()
             block.zero_grad(set_to_none=False)
             x.grad = None
+            if offload:
+                offload.finish()
 
-        step(account=True)
+        try:
+            if offload:
+                step()  # megatron's offload manager plans its groups in its first iteration (all offloaded)
+            step(account=True)
+        except Exception as error:
+            if not native:
+                raise
+            return dict(name=name, refused=refusal(error))
         for _ in range(args.warmup - 1):
             step()
         times, peak = [], None
@@ -146,6 +306,8 @@ def measure(args, name, flags, device):
         return dict(name=name, ms=statistics.median(times) * 1e3, saved_device=saved["device"],
                     saved_host=saved["host"], peak=peak)
     finally:
+        if offload:
+            offload.close()
         mm_adaptor.disable()
 
 
@@ -162,19 +324,27 @@ def main(argv=None):
     print(f"# {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, {args.heads} heads, seq {args.seq}, "
           f"micro-batch {args.micro_batch}, {args.dtype}, {'unfused' if args.unfused else 'fused kernels'}; "
           f"{device_name(args.device)}; median of {args.steps} steps after {args.warmup} warm-up", flush=True)
-    rows = []
+    rows, refused = [], []
     for name in args.configs.split(","):
-        rows.append(measure(args, name, CONFIGS[name], device))
+        row = measure(args, name, CONFIGS.get(name, []), device)
+        if "refused" in row:
+            refused.append(row)
+            print(f"#   {name}: refused: {row['refused']}", file=sys.stderr, flush=True)
+            continue
+        rows.append(row)
         print(f"#   {name}: {rows[-1]['ms']:.0f} ms", file=sys.stderr, flush=True)
-    base = rows[0]
-    peak_label = "peak allocated in step" if device.type == "cuda" else "peak RSS growth in step"
-    print(f"| configuration | step ms | vs {base['name']} | saved on device MiB | saved in host MiB | "
-          f"{peak_label} MiB | vs {base['name']} |")
-    print("|---|---|---|---|---|---|---|")
-    mib = 2 ** 20
-    for r in rows:
-        print(f"| {r['name']} | {r['ms']:.1f} | {r['ms'] / base['ms']:.3f}x | {r['saved_device'] / mib:.1f} | "
-              f"{r['saved_host'] / mib:.1f} | {r['peak'] / mib:.1f} | {(r['peak'] - base['peak']) / mib:+.1f} |")
+    base = rows[0] if rows else None
+    if base is not None:
+        peak_label = "peak allocated in step" if device.type == "cuda" else "peak RSS growth in step"
+        print(f"| configuration | step ms | vs {base['name']} | saved on device MiB | saved in host MiB | "
+              f"{peak_label} MiB | vs {base['name']} |")
+        print("|---|---|---|---|---|---|---|")
+        mib = 2 ** 20
+        for r in rows:
+            print(f"| {r['name']} | {r['ms']:.1f} | {r['ms'] / base['ms']:.3f}x | {r['saved_device'] / mib:.1f} | "
+                  f"{r['saved_host'] / mib:.1f} | {r['peak'] / mib:.1f} | {(r['peak'] - base['peak']) / mib:+.1f} |")
+    for row in refused:
+        print(f"# {row['name']}: refused by megatron-core {package_version('megatron-core')}: {row['refused']}")
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
