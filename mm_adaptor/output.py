@@ -21,6 +21,12 @@ KNOWN_HARMLESS = (
      "on the CPU backend megatron's CUDA RNG is the CPU generator"),
     (re.compile(r"RerunStateMachine initialized|Implicit initialization of Rerun State Machine"),
      "megatron's rerun state machine starting"),
+    (re.compile(r"No CUDA runtime is found, using CUDA_HOME"), "a CUDA build of torch on a machine without a GPU"),
+    # megatron-core 0.19's import-time notices
+    (re.compile(r"absl\.logging is not installed"), "megatron logs through Python's logging without absl"),
+    (re.compile(r"MimoModelConfig is experimental"), "megatron announcing its experimental modules"),
+    (re.compile(r"GPTModel IS DEPRECATED"),
+     "megatron 0.19 deprecating GPTModel for HybridModel (the driver builds one with --hybrid-layer-pattern)"),
 )
 
 
@@ -84,6 +90,23 @@ def forward_rank_output(send) -> None:
 
     warnings.showwarning = show
     logging.getLogger().addHandler(_ForwardRecords(send))
+    # torch's own loggers print through torch's handler, not the root's: its import-time note reaches `send` too
+    logging.getLogger(TORCH_CPP_EXTENSION_LOGGER).addFilter(_SendInstead(send))
+
+
+TORCH_CPP_EXTENSION_LOGGER = "torch.utils.cpp_extension"
+
+
+class _SendInstead(logging.Filter):
+    def __init__(self, send):
+        super().__init__()
+        self.send = send
+
+    def filter(self, record):
+        if record.levelno < logging.WARNING:
+            return True
+        self.send(f"{record.levelname.title()}: {record.getMessage()}")
+        return False
 
 
 class RankWarnings:

@@ -3,6 +3,7 @@ ranks through MM_ADAPTOR_FEATURE_MODULES): it swaps like the real feature, but a
 the host copy of the same-sized storage saved by the layer below it in the same micro-batch (the layer above for
 the lowest layer). It claims bit-for-bit and must fail, in fp32 and bf16."""
 
+from mm_adaptor import contracts
 from mm_adaptor.features import BIT_FOR_BIT, Feature, Flag, register
 
 
@@ -34,3 +35,6 @@ class SwapAttentionFromAnotherLayer(Feature):
         from mm_adaptor.feature_flags.swap_attention import patch_set
 
         return [patch_set(self.name, _neighbour_source_manager()(min_bytes=0))]
+
+
+contracts.verified_like(SwapAttentionFromAnotherLayer.name, "swap-attention")

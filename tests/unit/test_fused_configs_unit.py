@@ -15,6 +15,7 @@ from mm_adaptor.features import Feature, FeatureConfigError, Flag
 from mm_adaptor.patches.transformer import fused_ops
 
 from gloo_rank import one_gloo_rank
+from megatron_releases import requires_grouped_mlp
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -542,6 +543,7 @@ GROUPED_CASES = {  # config overrides, tokens per expert, expert TP size, fused 
 }
 
 
+@requires_grouped_mlp
 @pytest.mark.parametrize("case", GROUPED_CASES.values(), ids=GROUPED_CASES.keys())
 def test_grouped_mlp_forward_equals_megatrons_on_the_same_gemm(megatron_rng, adaptor, case):
     """Megatron's own GroupedMLP.forward (bf16, as it demands), run on the native grouped GEMM, against the
@@ -572,6 +574,7 @@ def test_grouped_mlp_forward_equals_megatrons_on_the_same_gemm(megatron_rng, ada
         assert experts.activation_checkpoint.ctx is None, "the activation was recomputed in backward"
 
 
+@requires_grouped_mlp
 def test_grouped_mlp_refuses_probs_on_input_with_top2_like_megatron(adaptor):
     with pytest.raises(FeatureConfigError, match="--moe-router-topk 1"):
         enable(use_fused_gmm=True, num_experts=3, moe_grouped_gemm=True, disable_bias_linear=True,

@@ -2,11 +2,10 @@
 
 import argparse
 import functools
-import importlib.metadata
 
 import pytest
 import torch
-from packaging.version import Version
+from megatron_releases import requires_grouped_mlp
 
 import mm_adaptor
 from mm_adaptor.features import FeatureConfigError
@@ -120,11 +119,6 @@ def test_gmm_keeps_the_grouped_gemm_package_signature(trans_b):
 def single_rank_experts():
     one = type("Group", (), {"size": lambda self: 1, "rank": lambda self: 0})()
     return type("PgCollection", (), {"ep": one, "expt_tp": one, "expt_dp": one})()
-
-
-requires_grouped_mlp = pytest.mark.skipif(
-    Version(importlib.metadata.version("megatron-core")) >= Version("0.17"),
-    reason="megatron-core 0.17 removed GroupedMLP (the 0.16.1 leg runs this; tests/latest covers 0.17+'s path)")
 
 
 @requires_grouped_mlp
