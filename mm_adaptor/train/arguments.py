@@ -286,6 +286,9 @@ def finalize_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             problems.append("MoE with --tensor-model-parallel-size > 1 (experts split the same way) needs "
                             "--disable-bias-linear: megatron supports expert biases only without expert tensor "
                             "parallelism")
+        if tp > 1 and not args.sequence_parallel:
+            problems.append("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel: megatron-core "
+                            "refuses to train MoE layers under tensor parallelism without it")
         if args.moe_ffn_hidden_size is not None and args.moe_ffn_hidden_size % tp != 0:
             problems.append(_not_divisible("--moe-ffn-hidden-size", args.moe_ffn_hidden_size,
                                            "--tensor-model-parallel-size", tp))

@@ -74,6 +74,8 @@ def _args(*argv):
      "multiple of --pipeline-model-parallel-size"),
     (["--expert-model-parallel-size", "2"], 2, "needs --num-experts"),
     (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 2, "needs --disable-bias-linear"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--disable-bias-linear"], 2,
+     "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel"),
     (["--bf16", "--fp16"], 2, "exclusive"),
     (["--global-batch-size", "3"], 2, "not divisible by --micro-batch-size"),
     (["--overlap-param-gather"], 2, "needs --use-distributed-optimizer"),
