@@ -7,6 +7,7 @@ import functools
 
 import torch
 
+from mm_adaptor import contracts
 from mm_adaptor.features import BIT_FOR_BIT, Feature, Flag, register
 
 
@@ -32,7 +33,8 @@ class RecomputeActivationFromPerturbedInput(Feature):
 
     def patch_sets(self, options):
         from mm_adaptor.patches.transformer import recompute_activation as rc
-        from mm_adaptor.patching import PatchSet
+        from mm_adaptor.patches.transformer.hybrid_stack import HYBRID_STACK, wrap_where_defined
+        from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
         ps = PatchSet(self.name)
         ps.wrap("megatron.core.transformer.transformer_block.TransformerBlock.__init__",
@@ -40,4 +42,10 @@ class RecomputeActivationFromPerturbedInput(Feature):
         ps.wrap("megatron.core.transformer.mlp.MLP.forward",
                 functools.partial(rc.mlp_forward_recomputing_activation,
                                   checkpoint_class=_perturbed_checkpoint_class()))
+        # a HybridModel's MLP layers are marked by its stack, as the real feature marks them (megatron-core 0.18+)
+        wrap_where_defined(ps, f"{HYBRID_STACK}.__init__", rc.stack_init_marking_layers(None),
+                           Contract(versions=SUPPORTED_MEGATRON_CORE))
         return [ps]
+
+
+contracts.verified_like(RecomputeActivationFromPerturbedInput.name, "recompute-activation-function")

@@ -176,3 +176,20 @@ def test_a_swap_that_brings_back_another_layers_tensors_fails_on_a_hybrid_model(
                                  nproc=exact.nproc, iters=3)
     assert not result.passed
     assert result.grads.failures, "the wrong tensors reach the gradients"
+
+
+@pytest.mark.distributed
+def test_a_recompute_from_a_perturbed_input_fails_on_a_hybrid_model(monkeypatch):
+    """The broken recompute variant marks the HybridStack's MLP layers as the real feature does, so its recomputation
+    from an input one ulp off must reach the gradients there; the unpatched run is the exact group's (cached)."""
+    from pathlib import Path
+
+    from mm_adaptor import harness
+
+    exact = next(run for run in runs() if run.exact)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "distributed"))
+    with harness.extra_feature_module("broken_recompute_activation_feature"):
+        result = harness.compare(["--use-test-recompute-activation-perturbed"], extra_args=exact.base_args(),
+                                 nproc=exact.nproc, iters=3)
+    assert not result.passed
+    assert result.grads.failures, "the wrong recomputation reaches the gradients"
