@@ -169,8 +169,6 @@ def test_a_swap_that_brings_back_another_layers_tensors_fails_on_a_hybrid_model(
         pytest.skip("swap-attention does not serve here")
     exact = next(run for run in runs() if run.exact)
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "distributed"))
-    # the test variant is recorded as verified on the base release only (contracts.VERIFIED_ON is by name)
-    monkeypatch.setenv(contracts.ALLOW_MISMATCH_ENV, "1")
     with harness.extra_feature_module("broken_swap_attention_feature"):
         result = harness.compare(["--use-test-swap-attention-other-layer"], extra_args=exact.base_args(),
                                  nproc=exact.nproc, iters=3)
