@@ -12,7 +12,7 @@ import sys
 import pytest
 from feature_runs import assert_run_passes
 
-from mm_adaptor import contracts, features, versions
+from mm_adaptor import features, versions
 from mm_adaptor.harness import composition
 from mm_adaptor.train import hybrid
 from mm_adaptor.train.arguments import LayoutError, finalize_args, parse_args
