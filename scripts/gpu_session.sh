@@ -15,6 +15,8 @@ cd "$(dirname "$0")/.."
 part=${1:?usage: gpu_session.sh ops|e2e|activation|optimizer [OUTPUT_DIR]}
 out=${2:-${OUT:-gpu-results}}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
+repo=$(pwd)
 site=/tmp/mm-adaptor-site
 export PYTHONUNBUFFERED=1
 step() { echo; echo "=== $* ($(date +%T))"; }
@@ -25,6 +27,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$site" . || exit 1
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
+# Run from outside the checkout: from its root, `python3 -m` would import the source tree's mm_adaptor, whose
+# ops/, patches/ and feature_flags/ sit beside it rather than inside it, instead of the installed package.
+cd "$(mktemp -d)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 
 status=0
@@ -37,9 +42,13 @@ run() {  # run NAME COMMAND...: output to $out/NAME.log, failures counted
     [ "$rc" -eq 0 ] || status=1
 }
 
+bench() {  # the benchmarks, unless MM_ADAPTOR_GPU_SKIP_BENCH=1 (a rerun of the checks alone)
+    [ "${MM_ADAPTOR_GPU_SKIP_BENCH:-0}" = 1 ] || run "$@"
+}
+
 if [ "$part" = e2e ]; then
-    [ -f .mlm/pretrain_gpt.py ] || { echo "no .mlm/: run scripts/gpu_session_prepare.sh on the host first"; exit 1; }
-    run e2e python3 benchmarks/megatron_lm_e2e.py --megatron-lm .mlm --log-dir "$out/e2e-logs"
+    [ -f "$repo/.mlm/pretrain_gpt.py" ] || { echo "no .mlm/: run scripts/gpu_session_prepare.sh on the host first"; exit 1; }
+    run e2e python3 "$repo"/benchmarks/megatron_lm_e2e.py --megatron-lm "$repo/.mlm" --log-dir "$out/e2e-logs"
     exit $status
 fi
 if [ "$part" = activation ]; then
@@ -47,8 +56,8 @@ if [ "$part" = activation ]; then
     run check_swap python3 -m mm_adaptor.cli check --layout single --swap-attention --swap-min-bytes 0 "${model[@]}"
     run check_swap_bf16 python3 -m mm_adaptor.cli check --layout single --swap-attention --swap-min-bytes 0 \
         --recompute-activation-function --use-fused-swiglu --use-flash-attn --bf16 "${model[@]}"
-    run activation_bench python3 benchmarks/activation_memory.py --device cuda
-    run activation_bench_unfused python3 benchmarks/activation_memory.py --device cuda --unfused --seq 2048
+    bench activation_bench python3 "$repo"/benchmarks/activation_memory.py --device cuda
+    bench activation_bench_unfused python3 "$repo"/benchmarks/activation_memory.py --device cuda --unfused --seq 2048
     exit $status
 fi
 if [ "$part" = optimizer ]; then
@@ -57,18 +66,19 @@ if [ "$part" = optimizer ]; then
                  "--swap-optimizer --use-distributed-optimizer" "--virtual-optimizer --bf16" "--virtual-optimizer"; do
         run "check_${flags// /_}" python3 -m mm_adaptor.cli check --layout single $flags
     done
-    run optimizer_bench python3 benchmarks/optimizer_memory.py --device cuda
+    bench optimizer_bench python3 "$repo"/benchmarks/optimizer_memory.py --device cuda
     exit $status
 fi
 run report python3 -m mm_adaptor.cli report
 run build python3 -m mm_adaptor.cli build-ops --device cuda
-run ops_tests python3 -m pytest -q -p no:cacheprovider tests/ops/test_ops.py tests/ops/test_every_op_on_every_device.py -rs
+run ops_tests python3 -m pytest -q -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo" \
+    "$repo/tests/ops/test_ops.py" "$repo/tests/ops/test_every_op_on_every_device.py" -rs
 run train python3 -m mm_adaptor.cli train --nproc-per-node 1 --train-iters 20 --normalization RMSNorm --swiglu \
     --position-embedding-type rope --use-fused-rmsnorm --use-fused-swiglu --use-fused-rotary-pos-emb --use-flash-attn
 run check python3 -m mm_adaptor.cli check --layout single --use-fused-rmsnorm --use-fused-swiglu \
     --use-fused-rotary-pos-emb --use-flash-attn --normalization RMSNorm --swiglu --position-embedding-type rope
 run check_gmm python3 -m mm_adaptor.cli check --layout single --use-fused-gmm --num-experts 4 --disable-bias-linear \
     --swiglu --moe-grouped-gemm
-run ops_bench python3 benchmarks/ops.py --device cuda
+bench ops_bench python3 "$repo"/benchmarks/ops.py --device cuda
 echo "exit status $status; logs in $out"
 exit $status
