@@ -156,40 +156,137 @@ def _kill_own_group() -> None:
     os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
-def _watch_launcher(launcher_pid: int, wakeup_fd: int) -> None:
+def _watch_launcher(parent_pid: int, wakeup_fd: int) -> None:
     while True:
         readable, _, _ = select.select([wakeup_fd], [], [], 0.5)
         if readable and signal.SIGTERM in os.read(wakeup_fd, 64):
             _kill_own_group()
-        if os.getppid() != launcher_pid:
+        if os.getppid() != parent_pid:
             _kill_own_group()
 
 
 def _die_with_launcher(launcher_pid: int) -> None:
-    """The kernel sends this rank SIGTERM when the launcher dies, even by SIGKILL (PR_SET_PDEATHSIG), and a thread
+    """The kernel sends this rank SIGTERM when its parent dies, even by SIGKILL (PR_SET_PDEATHSIG), and a thread
     also watches for a new parent; either kills the rank's process group, so helpers it started (megatron's
     checkpoint writers) die too. The thread reacts to SIGTERM through the wakeup fd, so it acts while the main
-    thread is blocked in a collective."""
+    thread is blocked in a collective. The parent is the launcher, or the fork server, which exits with the
+    launcher once no rank holds the launcher's end of its liveness pipe (closed here)."""
     os.setpgid(0, 0)
+    _release_fork_server()
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    parent_pid = os.getppid()
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     signal.signal(signal.SIGTERM, lambda signum, frame: _kill_own_group())
     signal.set_wakeup_fd(write_fd)
-    threading.Thread(target=_watch_launcher, args=(launcher_pid, read_fd), name="die-with-launcher",
+    threading.Thread(target=_watch_launcher, args=(parent_pid, read_fd), name="die-with-launcher",
                      daemon=True).start()
-    if os.getppid() != launcher_pid:  # it died before the death signal was armed
-        _kill_own_group()
+    if not _alive(launcher_pid) or (parent_pid != launcher_pid and not _alive(parent_pid)):
+        _kill_own_group()  # it died before the death signal was armed
 
 
-def _rank_entry(fn, args, rank, world_size, port, threads, errors, rank_warnings, progress, launcher_pid):
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+def _release_fork_server() -> None:
+    """A rank forked from the server inherits the launcher's end of the server's liveness pipe; holding it would
+    keep the server, and so the rank, alive after the launcher dies."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None and server._forkserver_pid is None:
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+
+
+# ---- how ranks start: forked from a server that imported torch and megatron-core once ----
+
+RANK_START_ENV = "MM_ADAPTOR_RANK_START"  # "fork-server" (the default where the OS can fork) or "spawn"
+PRELOAD_MODULE = "mm_adaptor.rank_preload"
+# Changed by pytest between tests; nothing a rank reads at import.
+_VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
+_server_env: dict[str, str] | None = None
+
+
+def _environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _VOLATILE_ENV}
+
+
+def rank_context():
+    """The multiprocessing context ranks start in. A spawned rank imports torch and megatron-core afresh (about 4 s
+    of CPU each); a rank forked from the server starts with those imports done, and is still a fresh process. The
+    server keeps the environment it started with (what torch and megatron read at import), so when the launcher's
+    has changed since (another PYTHONPATH, another device), the server is replaced by one started now. Every rank
+    also gets the launcher's environment as it is when it starts."""
+    global _server_env
+    if os.environ.get(RANK_START_ENV, "fork-server") == "spawn" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    environment = _environment()
+    if environment != _server_env:
+        forkserver._forkserver._stop()  # the next rank starts a new one
+        mp.set_forkserver_preload([PRELOAD_MODULE])
+        _server_env = environment
+    return mp.get_context("forkserver")
+
+
+class _LauncherStdio:
+    """The launcher's stdout and stderr as they are when a rank starts (a test's capture, a redirect): a rank
+    forked from the server would otherwise write to the server's, which are the launcher's of an earlier time."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _adopt_stdio, (reduction.DupFd(sys.stdout.fileno()), reduction.DupFd(sys.stderr.fileno()))
+
+
+def _adopt_stdio(out, err) -> None:
+    for wrapper, target in ((out, 1), (err, 2)):
+        fd = wrapper.detach()
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _stdio_for(ctx):
+    if ctx.get_start_method() != "forkserver":
+        return None
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    try:
+        sys.stdout.fileno(), sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # no file behind them (a notebook): the server's
+        return None
+    return _LauncherStdio()
+
+
+def _rank_entry(fn, args, rank, world_size, port, threads, errors, rank_warnings, progress, launcher_pid,
+                environment, stdio):
     global _progress_slots
     _die_with_launcher(launcher_pid)
     _progress_slots = (progress, rank)
     report_progress("starting")
     _forward_warnings_to(rank_warnings)
+    preloaded = sys.modules.get(PRELOAD_MODULE)
+    if preloaded is not None:
+        preloaded.replay()
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -285,12 +382,14 @@ def _signals_noted():
 
 
 def _launch_once(fn, args, nproc, timeout, threads_per_rank, port, signals) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     errors, rank_warnings = ctx.Queue(), ctx.Queue()
     progress = ctx.RawArray("q", 3 * nproc)
+    environment = dict(os.environ)
     procs = [
         ctx.Process(target=_rank_entry, name=f"rank{rank}", daemon=False,
-                    args=(fn, args, rank, nproc, port, threads_per_rank, errors, rank_warnings, progress, os.getpid()))
+                    args=(fn, args, rank, nproc, port, threads_per_rank, errors, rank_warnings, progress, os.getpid(),
+                          environment, _stdio_for(ctx)))
         for rank in range(nproc)
     ]
     watch = _ProgressWatch(progress, nproc)
@@ -338,10 +437,17 @@ def _first_failure(procs, errors):
     return None
 
 
-# Ranks are reaped only by _kill_ranks: until then a rank's pid, which is also its process group's id, cannot be
-# taken by another process, so killing that group reaches only what the rank started.
+# A spawned rank is reaped only by _kill_ranks: until then its pid, which is also its process group's id, cannot be
+# taken by another process, so killing that group reaches only what the rank started. A rank forked from the server
+# is the server's child, reaped there as it exits; its group id stays taken while anything it started lives.
+
+def _is_child(proc) -> bool:
+    return proc._popen is not None and proc._popen.__class__.__module__.endswith("popen_spawn_posix")
+
 
 def _reaped(proc) -> bool:
+    if not _is_child(proc):
+        return proc.exitcode is not None
     try:
         os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
@@ -350,9 +456,11 @@ def _reaped(proc) -> bool:
 
 
 def _exit_code(proc) -> int | None:
-    """The rank's exit code (minus the signal that killed it), None while it runs; leaves it unreaped."""
+    """The rank's exit code (minus the signal that killed it), None while it runs; leaves a child unreaped."""
     if proc.pid is None:
         return None
+    if not _is_child(proc):
+        return proc.exitcode
     try:
         status = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
@@ -370,15 +478,18 @@ def _kill_ranks(procs, grace: float = 0.0) -> None:
     end = time.monotonic() + grace
     while grace and any(_exit_code(p) is None for p in procs) and time.monotonic() < end:
         time.sleep(0.05)
-    unreaped = [proc for proc in procs if proc.pid is not None and not _reaped(proc)]
+    started = [proc for proc in procs if proc.pid is not None]
+    unreaped = [proc for proc in started if not _reaped(proc)]
     victims = []
     for proc in unreaped:
         with contextlib.suppress(psutil.Error):
             victims += psutil.Process(proc.pid).children(recursive=True)
-    for proc in unreaped:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)  # its group: the rank made itself leader at start
-        proc.kill()  # in case it had not got that far
+    for proc in started:
+        if proc in unreaped or not _is_child(proc):  # a forked rank's group outlives it while its helpers live
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its group: the rank made itself leader at start
+        if proc in unreaped:
+            proc.kill()  # in case it had not got that far
     for victim in victims:
         with contextlib.suppress(psutil.Error):
             victim.kill()

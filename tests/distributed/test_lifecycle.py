@@ -148,7 +148,8 @@ def _stop_ranks_mid_save(tmp_path: Path, launcher) -> int:
     ckpt = tmp_path / "ckpt"
     while True:
         staging = _wait_for(lambda: sorted(ckpt.glob("iter_*.saving")), "save in progress", launcher=launcher)
-        ranks = [p for p in psutil.Process(launcher.pid).children() if os.getpgid(p.pid) == p.pid]
+        # each rank leads its own group (a child of the launcher, or of the server it forks from)
+        ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True) if os.getpgid(p.pid) == p.pid]
         for rank in ranks:
             os.killpg(rank.pid, signal.SIGSTOP)
         group = [p for rank in ranks for p in [rank, *rank.children(recursive=True)]]
@@ -301,7 +302,8 @@ def test_a_library_caller_gets_the_signal_s_own_effect_once_the_ranks_are_gone(t
 
 def test_the_launcher_leaves_no_process_behind():
     """Run last in this module: nothing the tests here started is still running (but this process's own
-    multiprocessing resource tracker, which lives as long as it does)."""
+    multiprocessing resource tracker and the server its ranks fork from, which live as long as it does)."""
+    own_helpers = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
     left = [f"{p.pid} {' '.join(p.cmdline())[:100]}" for p in _living(psutil.Process().children(recursive=True))
-            if "multiprocessing.resource_tracker" not in " ".join(p.cmdline())]
+            if not any(helper in " ".join(p.cmdline()) for helper in own_helpers)]
     assert not left, left

@@ -1,0 +1,104 @@
+"""Ranks fork from a server that imported torch and megatron-core once (launcher.rank_context): each rank is still
+a fresh process, so nothing one run patches reaches the next; a launcher whose environment changed spawns instead;
+a forked rank writes to the launcher's stdout as it is now and reports the import-time warnings as its own."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from mm_adaptor import launcher
+from mm_adaptor.launcher import launch
+
+
+def _record(path):
+    state = {
+        "preloaded": "mm_adaptor.rank_preload" in sys.modules and "megatron.core" in sys.modules,
+        "parent": os.getppid(),
+        "marker": os.environ.get("MM_ADAPTOR_TEST_MARKER"),
+    }
+    if os.environ["RANK"] == "0":
+        with open(path, "w") as f:
+            json.dump(state, f)
+
+
+def _patch_megatron_and_report(path):
+    """Run 1 rebinds a megatron function, as a feature's patch does, and never reverts it."""
+    from megatron.core import parallel_state
+
+    seen = getattr(parallel_state.get_tensor_model_parallel_rank, "_leaked_from_an_earlier_run", False)
+    replacement = lambda: 0  # noqa: E731
+    replacement._leaked_from_an_earlier_run = True
+    parallel_state.get_tensor_model_parallel_rank = replacement
+    if os.environ["RANK"] == "0":
+        with open(path, "a") as f:
+            f.write(f"{seen}\n")
+
+
+@pytest.fixture
+def fork_server(monkeypatch):
+    if "forkserver" not in __import__("multiprocessing").get_all_start_methods():
+        pytest.skip("this OS cannot fork")
+    monkeypatch.delenv(launcher.RANK_START_ENV, raising=False)
+
+
+def test_ranks_fork_from_the_preloaded_server_and_nothing_leaks_between_runs(tmp_path, fork_server):
+    path = tmp_path / "state.json"
+    launch(_record, (str(path),), nproc=2, timeout=120)
+    state = json.loads(path.read_text())
+    assert state["preloaded"], "the rank did not start from the server's imports"
+    assert state["parent"] != os.getpid(), "a forked rank is the server's child, not the launcher's"
+
+    seen = tmp_path / "seen"
+    for _ in range(2):
+        launch(_patch_megatron_and_report, (str(seen),), nproc=2, timeout=120)
+    assert seen.read_text().split() == ["False", "False"], "run 2 saw run 1's patch"
+
+
+def test_a_changed_environment_gets_a_new_server(tmp_path, fork_server, monkeypatch):
+    path = tmp_path / "state.json"
+    launch(_record, (str(path),), nproc=2, timeout=120)  # the server exists with this environment
+    first_server = json.loads(path.read_text())["parent"]
+    monkeypatch.setenv("MM_ADAPTOR_TEST_MARKER", "changed")
+    launch(_record, (str(path),), nproc=2, timeout=120)
+    state = json.loads(path.read_text())
+    assert state["marker"] == "changed" and state["preloaded"]
+    assert state["parent"] != first_server, "the server that started with the old environment forked the rank"
+    assert not __import__("psutil").pid_exists(first_server), "the old server is still running"
+
+
+def test_spawn_on_request(monkeypatch):
+    monkeypatch.setenv(launcher.RANK_START_ENV, "spawn")
+    assert launcher.rank_context().get_start_method() == "spawn"
+
+
+_CALLER = textwrap.dedent('''
+    import sys, warnings
+    from mm_adaptor.launcher import launch
+
+    def hello():
+        import os
+        print(f"hello from rank {os.environ['RANK']}", flush=True)
+
+    if __name__ == "__main__":
+        launch(hello, nproc=1, timeout=120)          # starts the server: its stdout is this process's now
+        sys.stdout.flush()
+        with open(sys.argv[1], "w") as out:
+            import os
+            os.dup2(out.fileno(), 1)                 # stdout moves, as a test's capture or a redirect does
+            launch(hello, nproc=1, timeout=120)
+''')
+
+
+def test_a_forked_rank_writes_to_the_launcher_s_stdout_as_it_is_now(tmp_path, fork_server):
+    script = tmp_path / "caller.py"
+    script.write_text(_CALLER)
+    moved = tmp_path / "moved.txt"
+    first = subprocess.run([sys.executable, str(script), str(moved)], capture_output=True, text=True, timeout=300,
+                           env={k: v for k, v in os.environ.items() if k != launcher.RANK_START_ENV})
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.count("hello from rank 0") == 1, first.stdout
+    assert moved.read_text().count("hello from rank 0") == 1, "the second rank wrote to the server's stdout"
