@@ -113,11 +113,12 @@ def main(argv=None) -> int:
     command, rest = argv[0], argv[1:]
     if command in COMMANDS:
         from mm_adaptor.launcher import Interrupted, report_interruptions
-        from mm_adaptor.output import PRINTER
+        from mm_adaptor.output import PRINTER, own_warnings_as_the_ranks
 
         report_interruptions()
         try:
-            status = COMMANDS[command][0](rest)
+            with own_warnings_as_the_ranks():
+                status = COMMANDS[command][0](rest)
         except Interrupted as exc:  # the ranks are stopped; one line, no traceback
             print(f"mm-adaptor {command}: {exc}", file=sys.stderr)
             return exc.exit_status

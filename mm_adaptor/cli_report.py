@@ -8,12 +8,15 @@ import platform
 import textwrap
 
 from mm_adaptor.arguments_errors import ArgumentParser
+from mm_adaptor.output import ShowEveryWarning
 
 
 def report_main(argv: list[str]) -> int:
     parser = ArgumentParser(prog="mm-adaptor report",
                             description="Versions, device backend, native ops and every feature (imports torch, "
                                         "which is most of its time).")
+    parser.add_argument("--verbose", action=ShowEveryWarning,
+                        help="print every library warning (by default the known-harmless ones are counted in one line)")
     parser.parse_args(argv)
     for line in report_lines():
         print(line, flush=True)

@@ -222,6 +222,28 @@ _VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
 _server_env: dict[str, str] | None = None
 
 
+_HELPER_COMMANDS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def is_process_helper(process) -> bool:
+    """multiprocessing's resource tracker and the server ranks fork from, which live as long as the launcher's
+    process, not as long as its ranks. `process`: a psutil.Process. A rank forked from the server shows the
+    server's command line, but is the server's child: not a helper."""
+    import psutil
+
+    def helper(p) -> bool:
+        with contextlib.suppress(psutil.Error):
+            return any(name in " ".join(p.cmdline()) for name in _HELPER_COMMANDS)
+        return False
+
+    if not helper(process):
+        return False
+    with contextlib.suppress(psutil.Error):
+        parent = process.parent()
+        return parent is None or not helper(parent)
+    return True
+
+
 def _environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _VOLATILE_ENV}
 

@@ -3,6 +3,8 @@ to be harmless here summarised in one line (MM_ADAPTOR_VERBOSE=1, or --verbose, 
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import hashlib
 import logging
 import os
@@ -28,6 +30,17 @@ KNOWN_HARMLESS = (
     (re.compile(r"GPTModel IS DEPRECATED"),
      "megatron 0.19 deprecating GPTModel for HybridModel (the driver builds one with --hybrid-layer-pattern)"),
 )
+
+
+class ShowEveryWarning(argparse.Action):
+    """--verbose: sets MM_ADAPTOR_VERBOSE=1 for this process and the ranks it starts."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        os.environ[VERBOSE_ENV] = "1"
+        setattr(namespace, self.dest, True)
 
 
 def verbose() -> bool:
@@ -84,14 +97,38 @@ class _ForwardRecords(logging.Handler):
 
 def forward_rank_output(send) -> None:
     """In a rank: its Python warnings and logged warnings go to `send` (the launcher prints them once)."""
+    _forward(send)
+
+
+def _forward(send):
+    """Python warnings and logged warnings go to `send`; returns what undoes it."""
 
     def show(message, category, filename, lineno, file=None, line=None):
         send(f"{category.__name__}: {message}")
 
+    previous, handler, instead = warnings.showwarning, _ForwardRecords(send), _SendInstead(send)
     warnings.showwarning = show
-    logging.getLogger().addHandler(_ForwardRecords(send))
+    logging.getLogger().addHandler(handler)
     # torch's own loggers print through torch's handler, not the root's: its import-time note reaches `send` too
-    logging.getLogger(TORCH_CPP_EXTENSION_LOGGER).addFilter(_SendInstead(send))
+    logging.getLogger(TORCH_CPP_EXTENSION_LOGGER).addFilter(instead)
+
+    def undo():
+        warnings.showwarning = previous
+        logging.getLogger().removeHandler(handler)
+        logging.getLogger(TORCH_CPP_EXTENSION_LOGGER).removeFilter(instead)
+
+    return undo
+
+
+@contextlib.contextmanager
+def own_warnings_as_the_ranks():
+    """A command's own warnings (megatron's import-time notices when `report` imports it) are printed the way its
+    ranks' are: each distinct one once, the known-harmless ones counted in PRINTER's closing line."""
+    undo = _forward(PRINTER.add)
+    try:
+        yield
+    finally:
+        undo()
 
 
 TORCH_CPP_EXTENSION_LOGGER = "torch.utils.cpp_extension"

@@ -85,6 +85,9 @@ def _record(path, where, raw):
     if not isinstance(raw, dict):
         return None, f"not a JSON object but {type(raw).__name__}"
     messages = raw.get("messages")
+    if "conversations" in raw and messages is None:
+        return None, ('missing key "messages": this is LLaVA\'s "conversations" form; '
+                      "`mm-adaptor data llava-to-messages IN OUT` converts it")
     if not isinstance(messages, list) or not messages:
         return None, 'missing key "messages" (a non-empty list)'
     for i, message in enumerate(messages):

@@ -131,7 +131,7 @@ def validate(data_path, tokenizer, seq_length: int, image_min_pixels: int | None
     report = Report(samples, [line for _, line in sorted(bad)])
     if report.bad and not skip_bad_samples:
         shown = "; ".join(report.bad[:5]) + ("; ..." if len(report.bad) > 5 else "")
-        raise DataError(f"{len(report.bad)} bad samples (skip_bad_samples skips them): {shown}")
+        raise DataError(f"{len(report.bad)} bad samples (--skip-bad-samples trains on the rest): {shown}")
     return report
 
 

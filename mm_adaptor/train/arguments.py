@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mm_adaptor import features
 from mm_adaptor.arguments_errors import ArgumentParser
-from mm_adaptor.output import VERBOSE_ENV
+from mm_adaptor.output import ShowEveryWarning
 from mm_adaptor.train import hybrid, vlm
 from mm_adaptor.train.checkpoint_files import MARKER, latest_checkpoint
 from mm_adaptor.train.model import ffn_hidden_size
@@ -104,17 +104,6 @@ def build_parser(prog: str = "mm-adaptor train") -> argparse.ArgumentParser:
     vlm.add_arguments(p)
     features.add_arguments(p)
     return p
-
-
-class ShowEveryWarning(argparse.Action):
-    """--verbose: sets MM_ADAPTOR_VERBOSE=1 for this process and the ranks it starts."""
-
-    def __init__(self, option_strings, dest, **kwargs):
-        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        os.environ[VERBOSE_ENV] = "1"
-        setattr(namespace, self.dest, True)
 
 
 class LayoutError(ValueError):

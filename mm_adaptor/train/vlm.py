@@ -29,6 +29,8 @@ def add_arguments(parser) -> None:
                    help="the vision encoder gets no gradient, gradient buffer or optimizer state (fine-tuning)")
     g.add_argument("--freeze-language", action="store_true",
                    help="the same for the language model (with --freeze-vision: train the projector only)")
+    g.add_argument("--skip-bad-samples", action="store_true",
+                   help="train on the good records of --data-path and count the bad ones, instead of refusing them")
     g.add_argument("--log-tps", action="store_true",
                    help="tokens per sample, non-padding tokens per second and samples per second (MindSpeed-MM)")
 

@@ -80,7 +80,7 @@ class DatasetBatches:
         self.device, self.tokens_this_step = device, 0
         self.batches = build(args.data_path, tokenizer(args, config), config, args.seq_length, args.micro_batch_size,
                              args.global_batch_size, dp_rank, args.data_parallel_size, start_iteration,
-                             seed=args.seed)
+                             skip_bad_samples=args.skip_bad_samples, seed=args.seed)
 
     def __iter__(self):
         return self
@@ -120,7 +120,9 @@ def validate(args, config) -> list[str]:
     try:
         tok = tokenizer(args, config)
         check_model_matches(tok, config)
-        validate_data(args.data_path, tok, args.seq_length)
+        report = validate_data(args.data_path, tok, args.seq_length, skip_bad_samples=args.skip_bad_samples)
+        if not report.samples:
+            raise DataError(f"no usable samples ({report.skipped} bad ones skipped)")
     except DataError as exc:
         return [f"--data-path {args.data_path}: {exc}"]
     return []

@@ -144,6 +144,8 @@ def test_a_conversion_leaves_no_process_behind(tmp_path):
 
     save_tiny(tmp_path / "hf")
     assert main(["hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "mcore")]) == 0
+    from mm_adaptor.launcher import is_process_helper
+
     left = [p for p in psutil.Process().children(recursive=True)
-            if "resource_tracker" not in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+            if not is_process_helper(p) and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, [" ".join(p.cmdline())[:100] for p in left]

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from mm_adaptor import train
-from mm_adaptor.launcher import LaunchError, launch, report_progress
+from mm_adaptor.launcher import LaunchError, is_process_helper, launch, report_progress
 from mm_adaptor.train.checkpoint import MARKER
 
 pytestmark = pytest.mark.distributed
@@ -303,7 +303,6 @@ def test_a_library_caller_gets_the_signal_s_own_effect_once_the_ranks_are_gone(t
 def test_the_launcher_leaves_no_process_behind():
     """Run last in this module: nothing the tests here started is still running (but this process's own
     multiprocessing resource tracker and the server its ranks fork from, which live as long as it does)."""
-    own_helpers = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
     left = [f"{p.pid} {' '.join(p.cmdline())[:100]}" for p in _living(psutil.Process().children(recursive=True))
-            if not any(helper in " ".join(p.cmdline()) for helper in own_helpers)]
+            if not is_process_helper(p)]
     assert not left, left

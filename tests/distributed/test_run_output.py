@@ -73,3 +73,14 @@ def test_under_torchrun_each_warning_of_any_rank_is_printed_once():
     assert any("Transformer Engine and Apex are not installed" in line for line in shown), loud.stderr
     texts = [re.sub(r"^warning: (rank \d+: )?", "", line) for line in shown]
     assert len(texts) == len(set(texts)), "each warning once across the ranks"
+
+
+def test_report_counts_megatron_s_import_warnings_as_train_does():
+    done = _cli("report")
+    assert done.returncode == 0, done.stderr
+    assert not WARNING_TEXT.search(done.stderr), done.stderr
+    stderr = done.stderr.splitlines()
+    assert len(stderr) == 1 and NOTE_LINE.match(stderr[0]), stderr
+    assert "Transformer Engine/Apex" in stderr[0], "megatron's import-time notices were not the ones counted"
+    verbose = _cli("report", "--verbose")
+    assert "warning: UserWarning: Transformer Engine and Apex are not installed" in verbose.stderr, verbose.stderr

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -68,6 +69,34 @@ def test_a_changed_environment_gets_a_new_server(tmp_path, fork_server, monkeypa
     assert state["marker"] == "changed" and state["preloaded"]
     assert state["parent"] != first_server, "the server that started with the old environment forked the rank"
     assert not __import__("psutil").pid_exists(first_server), "the old server is still running"
+
+
+def _linger():
+    time.sleep(600)
+
+
+def test_a_rank_left_running_is_not_taken_for_the_server(fork_server):
+    """The leftover-process checks skip the server ranks fork from; a rank forked from it shows the same command
+    line, and must still count as left behind."""
+    import psutil
+
+    launch(_record_nothing, nproc=1, timeout=120)  # the server is up
+    server = next(p for p in psutil.Process().children() if launcher.is_process_helper(p)
+                  and "forkserver" in " ".join(p.cmdline()))
+    ctx = launcher.rank_context()
+    rank = ctx.Process(target=_linger)
+    rank.start()
+    try:
+        forked = psutil.Process(rank.pid)
+        assert forked.parent().pid == server.pid and "forkserver" in " ".join(forked.cmdline())
+        assert not launcher.is_process_helper(forked)
+    finally:
+        rank.kill()
+        rank.join()
+
+
+def _record_nothing():
+    pass
 
 
 def test_spawn_on_request(monkeypatch):

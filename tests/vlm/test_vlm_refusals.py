@@ -28,6 +28,30 @@ def test_a_bad_data_set_is_one_line_and_exit_status_2(tmp_path, capsys):
     assert len(err) == 1 and "missing.png does not exist" in err[0] and err[0].startswith("mm-adaptor train"), err
 
 
+def _bad_and_good_records(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (28, 28), "red").save(tmp_path / "red.png")
+    good = {"messages": [{"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "yes"}],
+            "images": ["red.png"]}
+    llava = {"conversations": [{"from": "human", "value": "<image>hi"}, {"from": "gpt", "value": "yes"}],
+             "image": "red.png"}
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in (good, llava)) + "\n")
+    return data
+
+
+def test_a_bad_sample_names_the_flag_that_skips_it_and_llava_records_the_converter(tmp_path):
+    pytest.importorskip("PIL")
+    data = _bad_and_good_records(tmp_path)
+    problems = _problems("--data-path", str(data), "--seq-length", "256", nproc=1)
+    assert len(problems) == 1, problems
+    assert "1 bad samples (--skip-bad-samples trains on the rest)" in problems[0], problems
+    assert "LLaVA's \"conversations\" form; `mm-adaptor data llava-to-messages IN OUT` converts it" in problems[0]
+    check_args(parse_args(["--model", "qwen2_5_vl-tiny", "--nproc-per-node", "1", "--data-path", str(data),
+                           "--seq-length", "256", "--skip-bad-samples"]), 1, check_devices=False)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"],
      "virtual pipeline stages are not supported"),
