@@ -5,7 +5,8 @@ then checks every tensor of the round trip is equal.
 
     python benchmarks/convert_qwen2_5_vl.py --work /tmp/convert_bench [--shard-gb 2] [--llm-layers 36]
 
-Peak RSS is VmHWM of the converting process. Needs about 3 x 7.5 GB of disk under --work (the script checks before writing)."""
+Peak RSS is VmHWM of the converting process. Needs about 3 x 7.5 GB of disk under --work (the script checks before
+writing)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 python benchmarks/megatron_lm_e2e.py --megatron-lm /path/to/Megatron-LM [--device cuda|cpu] [--variants ...]
        [--num-layers 8 --hidden-size 2048 ...] [-- more pretrain_gpt.py arguments]
 
-Each variant runs `torchrun --standalone --nproc-per-node N` (default 1) on a small wrapper (this file with --worker) that
-puts the Megatron-LM checkout first on sys.path, imports `mm_adaptor.megatron_adaptor` (all variants but
+Each variant runs `torchrun --standalone --nproc-per-node N` (default 1) on a small wrapper (this file with --worker)
+that puts the Megatron-LM checkout first on sys.path, imports `mm_adaptor.megatron_adaptor` (all variants but
 "unpatched") and runs pretrain_gpt.py with runpy, so no edited copy of the script is needed. Mock data, local
 spec, RMSNorm, SwiGLU, RoPE; dropout off so the losses compare. Megatron-LM's fusion defaults that need
 Transformer Engine or Apex are switched off (BASELINE_FLAGS) so the unpatched script runs too; every variant
@@ -307,7 +307,8 @@ def parse_options(argv):
     parser.add_argument("--fp32", action="store_true", help="CUDA: train in fp32 instead of bf16")
     parser.add_argument("--python", default=sys.executable, help="the interpreter that runs torchrun")
     parser.add_argument("--nproc-per-node", type=int, default=1,
-                        help="ranks per variant (with the layout's flags after --, e.g. -- --tensor-model-parallel-size 2)")
+                        help="ranks per variant (with the layout's flags after --, e.g. "
+                             "-- --tensor-model-parallel-size 2)")
     parser.add_argument("--log-dir", help="keep each variant's log here (default: a new temporary directory)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per variant")
     opts = parser.parse_args(argv)

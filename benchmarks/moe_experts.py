@@ -107,7 +107,8 @@ def main(argv=None):
                                          disable_bias_linear=True))
     init_single_rank()
     torch.manual_seed(0)
-    print_table_header(f"{args.tokens} routed tokens, hidden {args.hidden}, expert ffn {args.ffn}, {args.experts} experts",
+    print_table_header(f"{args.tokens} routed tokens, hidden {args.hidden}, expert ffn {args.ffn}, "
+                       f"{args.experts} experts",
                        ["dtype", "pass", "grouped (native) ms", "SequentialMLP ms", "ratio",
                         "saved activations grouped / sequential"])
     for dtype_name in args.dtype:

@@ -58,7 +58,8 @@ def parse_args(argv=None):
 
 
 def driver_args(args, flags):
-    return llama_like_driver_options(args, "--vocab-size", str(args.vocab), "--global-batch-size", str(args.micro_batch),
+    return llama_like_driver_options(args, "--vocab-size", str(args.vocab), "--global-batch-size",
+                                     str(args.micro_batch),
                                      "--untie-embeddings-and-output-weights", "--bf16", "--use-distributed-optimizer",
                                      "--train-iters", str(args.warmup + args.steps), *flags)
 

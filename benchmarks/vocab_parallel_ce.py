@@ -173,7 +173,6 @@ def main(argv=None):
                     *alternating(lambda: fwd(work, target), args.rounds, args.min_run_time))
                 row([dtype_name, tokens, shard, "fwd+bwd"],
                     *alternating(lambda: fwd_bwd(work, target, grad), args.rounds, args.min_run_time))
-                del work
     patched(False)
 
 

@@ -69,7 +69,8 @@ def main(argv=None) -> dict:
     print("|---|---|---|---|---|---|", flush=True)
     results = {}
     for name in args.layouts.split(","):
-        with_feature = [*LAYOUTS[name], *model, "--vpp-extra-warmup", "--vpp-extra-warmup-microbatches", str(args.extra)]
+        with_feature = [*LAYOUTS[name], *model, "--vpp-extra-warmup", "--vpp-extra-warmup-microbatches",
+                        str(args.extra)]
         off, on = mean_iteration_ms([*LAYOUTS[name], *model]), mean_iteration_ms(with_feature)
         stats = measured_chunk_costs(with_feature)
         plain_ms, extra_ms, plain_peak, extra_peak = predicted_ms(LAYOUTS[name], args.micro_batches, stats, args.extra,

@@ -7,8 +7,9 @@ from mm_adaptor.features import Feature, Flag, fused_kernel_tolerance, register,
 class FlashAttention(Feature):
     name = "flash-attn"
     description = ("the local spec's core attention (DotProductAttention) runs mm_adaptor.ops.flash_attention: "
-                   "PyTorch's fused kernels, GQA, causal/padding/sliding-window masks, attention dropout (PyTorch's fused "
-                   "kernels' on CUDA, torch_npu.npu_fusion_attention's on the NPU, a blockwise fp32 kernel on the CPU, under megatron's RNG tracker), no s x s "
+                   "PyTorch's fused kernels, GQA, causal/padding/sliding-window masks, attention dropout (PyTorch's "
+                   "fused kernels' on CUDA, torch_npu.npu_fusion_attention's on the NPU, a blockwise fp32 kernel on "
+                   "the CPU, under megatron's RNG tracker), no s x s "
                    "matrix kept for backward; packed sequences, attention bias and softmax offsets run megatron's "
                    "attention. With Transformer Engine (--transformer-impl transformer_engine) the flag keeps "
                    "Megatron's meaning")
@@ -27,4 +28,5 @@ class FlashAttention(Feature):
     def patch_sets(self, options):
         from mm_adaptor.patches.transformer.fused_ops import dot_product_attention_forward_flash
 
-        return wrap_one(self.name, "megatron.core.transformer.dot_product_attention.DotProductAttention.forward", dot_product_attention_forward_flash)
+        return wrap_one(self.name, "megatron.core.transformer.dot_product_attention.DotProductAttention.forward",
+                        dot_product_attention_forward_flash)

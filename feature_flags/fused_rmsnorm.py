@@ -1,6 +1,7 @@
 """--use-fused-rmsnorm: the local spec's RMSNorm modules run the native rms_norm kernel."""
 
-from mm_adaptor.features import (Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register, require_local_spec,
+from mm_adaptor.features import (Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register,
+                                 require_local_spec,
                                   wrap_one)
 
 
@@ -27,4 +28,5 @@ class FusedRMSNorm(Feature):
     def patch_sets(self, options):
         from mm_adaptor.patches.transformer.fused_ops import torch_norm_new_with_fused_rmsnorm
 
-        return wrap_one(self.name, "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__", torch_norm_new_with_fused_rmsnorm)
+        return wrap_one(self.name, "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
+                        torch_norm_new_with_fused_rmsnorm)

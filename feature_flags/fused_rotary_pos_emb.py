@@ -23,4 +23,5 @@ class FusedRotaryPosEmb(Feature):
     def patch_sets(self, options):
         from mm_adaptor.patches.transformer.fused_ops import apply_rotary_pos_emb_fused
 
-        return wrap_one(self.name, "megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb", apply_rotary_pos_emb_fused)
+        return wrap_one(self.name, "megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb",
+                        apply_rotary_pos_emb_fused)

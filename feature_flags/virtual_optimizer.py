@@ -44,7 +44,7 @@ class VirtualOptimizer(OptimizerStateFeature):
     def patch_sets(self, options):
         from mm_adaptor.patches.optimizer import virtual_optimizer as virtual
 
-        self.patches = virtual.Patches(budget_bytes=getattr(options, "virtual_optimizer") * 1e9)
+        self.patches = virtual.Patches(budget_bytes=options.virtual_optimizer * 1e9)
         return [patch_set(self.name, self.patches)]
 
 

@@ -225,8 +225,9 @@ def devices_block(feature) -> str:
         record = verification.record(feature.name, device)
         lines.append(f"| {device} | {record.state} | {_cell(record.evidence)} |")
     lines.append("")
-    lines.append(f"Verified on megatron-core {megatron_versions(feature)} (`mm_adaptor/contracts.py`; on another release "
-                 f"the feature serves only where the functions it patches have the code of one of these).")
+    lines.append(f"Verified on megatron-core {megatron_versions(feature)} (`mm_adaptor/contracts.py`; "
+                 f"on another release the feature serves only where the functions it patches have the code of one "
+                 f"of these).")
     return "\n".join(lines) + "\n"
 
 

@@ -155,7 +155,8 @@ def require_local_spec(feature: Feature, options) -> None:
     impl = getattr(options, "transformer_impl", "local")
     if impl != "local":
         raise FeatureConfigError(f"{feature.main_flag.option} patches megatron's local layer spec; it needs "
-                                 f"--transformer-impl local (got {impl}) — Transformer Engine has its own fused kernels")
+                                 f"--transformer-impl local (got {impl}) — Transformer Engine has its own "
+                                 f"fused kernels")
 
 
 # Comma-separated modules that register features of their own (plugins, or test variants).

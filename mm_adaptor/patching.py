@@ -98,7 +98,8 @@ def _installed_holders(patches: list) -> dict["Patch", list[tuple[Any, str]]] | 
 
 
 class Patch:
-    """Replace or wrap one dotted target. `new` is the replacement, or a wrapt wrapper(wrapped, instance, args, kwargs)."""
+    """Replace or wrap one dotted target. `new` is the replacement, or a wrapt
+    wrapper(wrapped, instance, args, kwargs)."""
 
     rebind_prefixes: tuple[str, ...] = ("megatron",)
 

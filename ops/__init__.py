@@ -50,7 +50,8 @@ def status() -> dict:
             devices[device] = "torch_npu fused kernels when torch_npu is installed (not verified on NPU hardware)"
             continue
         if device == "cuda" and not torch.cuda.is_available():
-            devices[device] = "no CUDA device here: CUDA kernels not built (their sources are compile-checked with nvcc)"
+            devices[device] = ("no CUDA device here: CUDA kernels not built "
+                               "(their sources are compile-checked with nvcc)")
             continue
         try:
             cached = builder.cached_library(device)

@@ -184,8 +184,8 @@ def build(device: str, *, verbose: bool = False) -> BuildResult:
         try:
             built_now = not library.exists()
             if built_now:
-                print(f"mm_adaptor: building native {device} ops ({len(srcs)} sources; first use, about 40 s on 2 cores; "
-                      f"cached in {build_dir})", file=sys.stderr, flush=True)
+                print(f"mm_adaptor: building native {device} ops ({len(srcs)} sources; first use, "
+                      f"about 40 s on 2 cores; cached in {build_dir})", file=sys.stderr, flush=True)
                 with _Ticker(f"building native {device} ops"):
                     _compile_and_publish(device, name, srcs, build_dir, verbose)
                 with open(root / "builds.log", "a") as log:

@@ -29,6 +29,10 @@ if [ "$latest" = 2 ]; then
   exit
 fi
 [ "$latest" = 0 ] || exit "$latest"
+if [ "$selected" = no ]; then
+  echo "== ruff check (ruff.toml) =="
+  .venv-latest/bin/ruff check . || exit 1
+fi
 echo "== the newest supported megatron-core: the whole suite =="
 status=0
 bash scripts/test_latest_megatron.sh "$@" || status=$?

@@ -1,4 +1,5 @@
-"""HF <-> Megatron checkpoint conversion (`mm-adaptor convert`), streaming shard by shard over a per-family mapping table.
+"""HF <-> Megatron checkpoint conversion (`mm-adaptor convert`), streaming shard by shard over a per-family mapping
+table.
 
 The pure functions below work on whole (unsharded) tensors held in memory, real or meta; the command
 (mm_adaptor.convert.cli) streams the same rules over files."""

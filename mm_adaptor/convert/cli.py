@@ -18,10 +18,12 @@ def _hf_to_mcore_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="mm-adaptor convert hf-to-mcore",
                             description="Hugging Face directory -> Megatron dist checkpoint. " + LAYOUT_NOTE)
     parser.add_argument("hf_dir", metavar="HF_DIR", help="config.json and safetensors (sharded with an index, or one)")
-    parser.add_argument("mcore_dir", metavar="MCORE_DIR", help="an empty or new directory; the driver's --load reads it")
+    parser.add_argument("mcore_dir", metavar="MCORE_DIR",
+                        help="an empty or new directory; the driver's --load reads it")
     parser.add_argument("--tensor-model-parallel-size", "--tp", type=int, default=1, dest="tp")
     parser.add_argument("--llm-pp-layers", default=None,
-                        help="language layers per pipeline stage: [[12,16]] (MindSpeed-MM) or 12,16; default all on one")
+                        help="language layers per pipeline stage: [[12,16]] (MindSpeed-MM) or 12,16; "
+                             "default all on one")
     parser.add_argument("--vit-pp-layers", default=None,
                         help="vision layers per stage, all on the first: [[32,0]] or 32,0")
     return parser

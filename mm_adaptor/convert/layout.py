@@ -60,9 +60,11 @@ def validate(dims: dict, tp: int, llm: list[list[int]] | None, vit: list[list[in
                                f"heads / {groups} key/value heads")
     llm = llm or [[dims["llm_layers"]]]
     vit = vit or [[dims["vit_layers"]] + [0] * (len(llm[0]) - 1)] + [[0] * len(llm[0])] * (len(llm) - 1)
-    for flag, split, total in (("--llm-pp-layers", llm, dims["llm_layers"]), ("--vit-pp-layers", vit, dims["vit_layers"])):
+    for flag, split, total in (("--llm-pp-layers", llm, dims["llm_layers"]),
+                               ("--vit-pp-layers", vit, dims["vit_layers"])):
         if sum(map(sum, split)) != total:
-            raise ConvertError(f"{flag} {json.dumps(split)} sums to {sum(map(sum, split))}, the model has {total} layers")
+            raise ConvertError(f"{flag} {json.dumps(split)} sums to {sum(map(sum, split))}, "
+                               f"the model has {total} layers")
     if (len(vit), len(vit[0])) != (len(llm), len(llm[0])):
         raise ConvertError(f"--vit-pp-layers {json.dumps(vit)} and --llm-pp-layers {json.dumps(llm)} name different "
                            "numbers of pipeline stages")

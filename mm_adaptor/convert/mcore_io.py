@@ -100,7 +100,7 @@ class PieceWriter:
             if layer is not None:
                 stacks.setdefault(key, []).append(layer)
         sharded, positions = {}, {}
-        for n, (key, tensor, layer, layers) in enumerate(tensors):
+        for n, (key, tensor, layer, _layers) in enumerate(tensors):
             if layer is None:
                 sharded[f"t{n}"] = sharded_tensor(key, tensor, None, None)
             else:
@@ -132,18 +132,15 @@ class PieceWriter:
                 elif name not in (".metadata", "metadata.json", "common.pt") or k == 0:
                     os.replace(source, final / name)  # sharded objects' folders; piece 0's common state
 
-            def moved(fqn, offsets):
-                return offsets if fqn not in stacks else (stacks[fqn][0][offsets[0]], *offsets[1:])
-
-            for key, (layers, total) in stacks.items():
+            for key, (_, total) in stacks.items():
                 storage = meta.state_dict_metadata[key]
                 storage.size = type(storage.size)((total, *storage.size[1:]))
                 for chunk in storage.chunks:
-                    chunk.offsets = type(chunk.offsets)(moved(key, chunk.offsets))
+                    chunk.offsets = type(chunk.offsets)(_moved(stacks, key, chunk.offsets))
             storage_data = {}
             for index, info in meta.storage_data.items():
                 info.relative_path = renamed[info.relative_path]
-                offset = None if index.offset is None else type(index.offset)(moved(index.fqn, index.offset))
+                offset = None if index.offset is None else type(index.offset)(_moved(stacks, index.fqn, index.offset))
                 storage_data[MetadataIndex(index.fqn, offset)] = info
             meta.storage_data = storage_data
             if merged is None:
@@ -224,3 +221,8 @@ def load_group(checkpoint: Path, requests: dict) -> dict:
     from megatron.core import dist_checkpointing
 
     return dist_checkpointing.load({"model": requests}, str(checkpoint), validate_access_integrity=False)["model"]
+
+
+def _moved(stacks, fqn, offsets):
+    """A piece's offsets in the joined checkpoint: a stacked tensor's layer index becomes its global one."""
+    return offsets if fqn not in stacks else (stacks[fqn][0][offsets[0]], *offsets[1:])

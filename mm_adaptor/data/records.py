@@ -115,7 +115,10 @@ def llava_to_messages(in_path: str, out_path: str, image_folder: str | None = No
     Returns the number of records written."""
     with open(in_path, encoding="utf-8") as f:
         text = f.read()
-    items = json.loads(text) if text.lstrip().startswith("[") else [json.loads(l) for l in text.splitlines() if l.strip()]
+    if text.lstrip().startswith("["):
+        items = json.loads(text)
+    else:
+        items = [json.loads(line) for line in text.splitlines() if line.strip()]
     source = os.path.abspath(image_folder or os.path.dirname(os.path.abspath(in_path)))
     target = os.path.dirname(os.path.abspath(out_path))
     roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}

@@ -5,5 +5,6 @@ from mm_adaptor.harness.compare import (LAYOUT_RANKS, LAYOUTS, Comparison, Harne
                                         tolerance_for)
 from mm_adaptor.harness.report import format_comparison
 
-__all__ = ["LAYOUT_RANKS", "LAYOUTS", "Comparison", "HarnessError", "compare", "extra_feature_module", "format_comparison",
+__all__ = ["LAYOUT_RANKS", "LAYOUTS", "Comparison", "HarnessError", "compare", "extra_feature_module",
+           "format_comparison",
            "tolerance_for"]

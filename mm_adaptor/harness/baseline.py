@@ -64,7 +64,8 @@ def key(args: argparse.Namespace) -> str:
         "args": {k: v for k, v in sorted(vars(args).items())
                  if k not in _NOT_IN_KEY and (k, repr(v)) not in switched_off},
         "versions": {d: version(d) for d in ("torch", "megatron-core", "mm-adaptor")},
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MM_ADAPTOR_") and k not in _ENV_NOT_IN_KEY},
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if k.startswith("MM_ADAPTOR_") and k not in _ENV_NOT_IN_KEY},
         "sources": _sources_digest(),
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:24]

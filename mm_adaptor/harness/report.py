@@ -69,7 +69,8 @@ def _saved_activation_rows(off: dict, on: dict) -> list[tuple[str, int, int]]:
 
 
 def format_comparison(c) -> str:
-    lines = [f"check {' '.join(c.feature_args)} | layout {c.layout} | {c.precision} | tolerance: {c.tolerance.describe()}",
+    lines = [f"check {' '.join(c.feature_args)} | layout {c.layout} | {c.precision} | "
+             f"tolerance: {c.tolerance.describe()}",
              f"  limits: {c.limits.describe()}",
              f"  {'step':>4}  {'loss (off)':>16}  {'loss (on)':>16}  {'rel diff':>10}"]
     failing_steps = {f.split()[1] for f in c.loss_failures if f.startswith("step ")}

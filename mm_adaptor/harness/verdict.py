@@ -7,7 +7,8 @@ Inexact features are judged against the rounding noise of the same configuration
 with every matrix product summed in two halves of its inner dimension (split_k.py: the same math, another
 rounding; cached like the baseline), and for steps 2 and later also in thirds, the larger of the two counting (from
 step 2 on, the differences come mostly from the few parameters whose gradient is below Adam's eps, each moved by
-lr x its gradient's rounding change / eps: one perturbation's draw at those few can be zero; compare.NOISE_PARTS). Each comparison point gets three scale-free statistics (the loss gets one):
+lr x its gradient's rounding change / eps: one perturbation's draw at those few can be zero; compare.NOISE_PARTS).
+Each comparison point gets three scale-free statistics (the loss gets one):
   rel_norm  ‖Δ‖ / ‖off‖             how far it moved overall
   scale     |⟨Δ, off⟩| / ‖off‖²     a systematic scale error, which rounding noise hardly produces
   rel_max   max|Δ| / max|off|       a few elements far off

@@ -88,14 +88,16 @@ def build_parser(prog: str = "mm-adaptor train") -> argparse.ArgumentParser:
     t.add_argument("--log-interval", type=int, default=1)
     t.add_argument("--save", type=str, default=None, help="checkpoint directory to save into")
     t.add_argument("--save-interval", type=int, default=None, help="default: save once, at the end")
-    t.add_argument("--load", type=str, default=None, help="checkpoint directory to resume from (at or past --train-iters: nothing to do, status 0)")
+    t.add_argument("--load", type=str, default=None,
+                   help="checkpoint directory to resume from (at or past --train-iters: nothing to do, status 0)")
     t.add_argument("--no-load-optim", action="store_true", help="load the checkpoint's weights only")
     t.add_argument("--no-save-optim", action="store_true", help="save the weights without the optimizer state")
     t.add_argument("--no-save-rng", action="store_true", help="save no random-number generator states")
     t.add_argument("--no-load-rng", action="store_true", help="keep this run's seeds instead of the checkpoint's RNG")
     t.add_argument("--dump", type=str, default=None,
                    help="write per-rank losses, final gradients and parameters here (used by mm-adaptor check)")
-    t.add_argument("--timeout", type=float, default=900.0, help="seconds without progress before a rank is declared hung")
+    t.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds without progress before a rank is declared hung")
     t.add_argument("--quiet", action="store_true", help="print only the final summary")
     t.add_argument("--silent", action="store_true", help="print nothing (for harnesses that read --dump)")
     t.add_argument("--verbose", action=ShowEveryWarning, help="print every library warning, the known-harmless ones "

@@ -34,7 +34,8 @@ def _model_key(state, index: int) -> str:
 
 def _sharded_state_dict(state, *, is_loading: bool, with_optimizer: bool = True) -> dict:
     metadata = _metadata(state)
-    sd = {_model_key(state, i): unwrap(chunk).sharded_state_dict(metadata=metadata) for i, chunk in enumerate(state.model)}
+    sd = {_model_key(state, i): unwrap(chunk).sharded_state_dict(metadata=metadata)
+          for i, chunk in enumerate(state.model)}
     if with_optimizer:
         sd["optimizer"] = state.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=metadata)
         sd["opt_param_scheduler"] = state.scheduler.state_dict()

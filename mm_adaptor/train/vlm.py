@@ -18,11 +18,13 @@ MODELS = ("gpt", "qwen2_5_vl", "qwen2_5_vl-tiny")
 def add_arguments(parser) -> None:
     g = parser.add_argument_group("vision-language models")
     g.add_argument("--model", choices=MODELS, default="gpt",
-                   help="gpt: the tiny GPT (default); qwen2_5_vl: the converted checkpoint in --load (its hf/config.json); "
+                   help="gpt: the tiny GPT (default); qwen2_5_vl: the converted checkpoint in --load "
+                        "(its hf/config.json); "
                         "qwen2_5_vl-tiny: a tiny randomly initialised Qwen2.5-VL")
     g.add_argument("--data-path", default=None,
                    help="JSON/JSONL of messages and images (mm_adaptor.data); default for qwen2_5_vl-tiny: synthetic")
-    g.add_argument("--tokenizer-model", default=None, help="HF tokenizer directory (default: --load's hf/, else built-in)")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="HF tokenizer directory (default: --load's hf/, else built-in)")
     g.add_argument("--pipeline-layers", default=None,
                    help="language layers per pipeline stage, e.g. 1,3 (MindSpeed-MM's --llm-pp-layers); default even")
     g.add_argument("--freeze-vision", action="store_true",

@@ -209,7 +209,8 @@ OPTIMIZER = "megatron.core.optimizer.optimizer"
 DISTRIBUTED = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
 FLOAT16 = f"{OPTIMIZER}.Float16OptimizerWithFloat16Params"
 INITS = (f"{FLOAT16}.__init__", f"{DISTRIBUTED}.__init__", f"{OPTIMIZER}.FP32Optimizer.__init__")
-STEPS = (f"{OPTIMIZER}.MixedPrecisionOptimizer.step_with_ready_grads", f"{OPTIMIZER}.FP32Optimizer.step_with_ready_grads")
+STEPS = (f"{OPTIMIZER}.MixedPrecisionOptimizer.step_with_ready_grads",
+         f"{OPTIMIZER}.FP32Optimizer.step_with_ready_grads")
 COPIES_TO_MODEL = (f"{FLOAT16}._copy_main_params_to_model_params", f"{DISTRIBUTED}._copy_main_params_to_model_params")
 
 

@@ -122,7 +122,8 @@ def layers_to_mark(num_layers: int, config, num_layers_option: int | None) -> ra
     """Local layer indices of a block whose activation is recomputed: the first N (all without N), less the first
     recompute_num_layers that --recompute-granularity full --recompute-method block recomputes whole."""
     first = 0
-    if getattr(config, "recompute_granularity", None) == "full" and getattr(config, "recompute_method", None) == "block":
+    if (getattr(config, "recompute_granularity", None) == "full"
+            and getattr(config, "recompute_method", None) == "block"):
         first = config.recompute_num_layers or 0
     last = num_layers if num_layers_option is None else min(num_layers, num_layers_option)
     return range(first, max(first, last))

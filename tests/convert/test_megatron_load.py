@@ -57,7 +57,8 @@ def test_checkpoint_loads_into_megatron_modules(tiny_hf, tmp_path, single_rank_m
     key = "language_model.decoder.layers.mlp.linear_fc1.weight"
     assert len(reader.meta.state_dict_metadata[key].chunks) == 8
     for layer in range(4):
-        assert torch.equal(reader.read(key, layer), expected[f"language_model.decoder.layers.{layer}.mlp.linear_fc1.weight"])
+        assert torch.equal(reader.read(key, layer),
+                           expected[f"language_model.decoder.layers.{layer}.mlp.linear_fc1.weight"])
 
 
 def test_checkpoint_loads_into_the_qwen2_5_vl_model(tiny_hf, tmp_path, single_rank_megatron):

@@ -47,7 +47,8 @@ def megatron_shapes(v: dict, layers: int, vit_layers: int) -> dict:
     for i in range(vit_layers):
         p = f"vision_model.decoder.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (vh,), p + "pre_mlp_layernorm.weight": (vh,),
-                       p + "self_attention.linear_qkv.weight": (3 * vh, vh), p + "self_attention.linear_qkv.bias": (3 * vh,),
+                       p + "self_attention.linear_qkv.weight": (3 * vh, vh),
+                       p + "self_attention.linear_qkv.bias": (3 * vh,),
                        p + "self_attention.linear_proj.weight": (vh, vh), p + "self_attention.linear_proj.bias": (vh,),
                        p + "mlp.linear_fc1.weight": (2 * vffn, vh), p + "mlp.linear_fc1.bias": (2 * vffn,),
                        p + "mlp.linear_fc2.weight": (vh, vffn), p + "mlp.linear_fc2.bias": (vh,)})

@@ -47,7 +47,8 @@ def _rank_main(workdir):
         shard = megatron_shard(case["hf"], model, config, tp_rank, config.tensor_model_parallel_size)
         own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
         results[layout] = {"keys": sorted(own), "expected_keys": sorted(shard),
-                           "differ": [k for k in own if k in shard and not torch.equal(own[k], shard[k].to(own[k].dtype))]}
+                           "differ": [k for k in own
+                                      if k in shard and not torch.equal(own[k], shard[k].to(own[k].dtype))]}
         ps.destroy_model_parallel()
     torch.save(results, os.path.join(workdir, f"rank{rank}.pt"))
     dist.destroy_process_group()

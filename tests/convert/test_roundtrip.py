@@ -39,7 +39,8 @@ def test_round_trip_is_exact(tiny_hf, tmp_path, capsys, tp, pp):
     assert sorted(back) == sorted(saved)
     for name, tensor in saved.items():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
-    assert json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())["weight_map"].keys() == saved.keys()
+    index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"].keys() == saved.keys()
     assert (tmp_path / "back" / "preprocessor_config.json").exists()
     model, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "back"), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info

@@ -9,7 +9,8 @@ def _extra_on_the_last_stage_only(wrapped, instance, args, kwargs):
     from megatron.core import parallel_state
 
     total, all_in_warmup, warmup, remaining = wrapped(*args, **kwargs)
-    last = parallel_state.get_pipeline_model_parallel_rank() == parallel_state.get_pipeline_model_parallel_world_size() - 1
+    last = (parallel_state.get_pipeline_model_parallel_rank()
+            == parallel_state.get_pipeline_model_parallel_world_size() - 1)
     if kwargs.get("forward_only") or all_in_warmup or not last:
         return total, all_in_warmup, warmup, remaining
     return total, warmup + 1 == total, warmup + 1, remaining - 1

@@ -1,5 +1,6 @@
-"""--use-coc against unpatched Megatron, within its calibrated tolerance and in fact bit-for-bit here: TP2 with sequence parallelism (fp32 N=2, bf16 N=4), TP2
-without it (all-reduce, uneven chunks), PP2 x TP2+SP under MindSpeed's name, TP2+SP x DP2 with the distributed
+"""--use-coc against unpatched Megatron, within its calibrated tolerance and in fact bit-for-bit here: TP2 with
+sequence parallelism (fp32 N=2, bf16 N=4), TP2 without it (all-reduce, uneven chunks), PP2 x TP2+SP under MindSpeed's
+name, TP2+SP x DP2 with the distributed
 optimizer and gradient-accumulation fusion, EP2 x expert TP2 MoE; the chunked paths really ran (the
 feature's call counts); chunks re-assembled in the wrong order fail the harness. The full matrix (N=2 and 4, fp32
 and bf16, every layout) is in benchmarks/RESULTS.md."""

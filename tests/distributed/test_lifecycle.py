@@ -153,7 +153,7 @@ def _stop_ranks_mid_save(tmp_path: Path, launcher) -> int:
         for rank in ranks:
             os.killpg(rank.pid, signal.SIGSTOP)
         group = [p for rank in ranks for p in [rank, *rank.children(recursive=True)]]
-        _wait_for(lambda: all(_stopped(p) for p in group), "stopped ranks")
+        _wait_for(lambda group=group: all(_stopped(p) for p in group), "stopped ranks")
         if staging[0].exists():
             return int(staging[0].name[len("iter_"):-len(".saving")])
         for rank in ranks:

@@ -1,7 +1,7 @@
 """--swap-optimizer and --virtual-optimizer against unpatched Megatron: bit-for-bit in fp32 and bf16 with the
 device and host rows to the byte; checkpoints saved with either load without it and the other way round,
-continuing exactly as an uninterrupted run; a swap that reuses a host buffer too early and a move to host memory that loses the moments fail the
-harness, in fp32 and bf16."""
+continuing exactly as an uninterrupted run; a swap that reuses a host buffer too early and a move to host memory
+that loses the moments fail the harness, in fp32 and bf16."""
 
 import pytest
 

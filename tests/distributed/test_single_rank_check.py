@@ -8,7 +8,8 @@ FUSED = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-em
 
 
 def test_single_rank_check_runs_one_rank_and_judges_every_fused_feature():
-    done = subprocess.run([sys.executable, "-m", "mm_adaptor.cli", "check", "--layout", "single", "--show-training", *FUSED,
+    done = subprocess.run([sys.executable, "-m", "mm_adaptor.cli", "check", "--layout", "single", "--show-training",
+                           *FUSED,
                            "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -82,7 +82,8 @@ def megatron_shard(hf_state: dict, model, config: Qwen25VLConfig, tp_rank: int, 
                 q, k, v = hf[src + f"attn.qkv.{kind}"].chunk(3)
                 qkv = _grouped_qkv(q, k, v, heads)
                 out[dst + f"self_attention.linear_qkv.{kind}"] = _rows(qkv, tp_rank, tp_size).reshape(-1, *q.shape[1:])
-                out[dst + f"mlp.linear_fc1.{kind}"] = fc1(hf[src + f"mlp.gate_proj.{kind}"], hf[src + f"mlp.up_proj.{kind}"])
+                out[dst + f"mlp.linear_fc1.{kind}"] = fc1(hf[src + f"mlp.gate_proj.{kind}"],
+                                                          hf[src + f"mlp.up_proj.{kind}"])
             out[dst + "self_attention.linear_proj.weight"] = _rows(hf[src + "attn.proj.weight"], tp_rank, tp_size, 1)
             out[dst + "self_attention.linear_proj.bias"] = hf[src + "attn.proj.bias"]
             out[dst + "mlp.linear_fc2.weight"] = _rows(hf[src + "mlp.down_proj.weight"], tp_rank, tp_size, 1)
@@ -92,9 +93,11 @@ def megatron_shard(hf_state: dict, model, config: Qwen25VLConfig, tp_rank: int, 
         out["vision_projection.layernorm.weight"] = hf["visual.merger.ln_q.weight"]
         out["vision_projection.encoder.linear_fc1.weight"] = _rows(hf["visual.merger.mlp.0.weight"], tp_rank, tp_size)
         out["vision_projection.encoder.linear_fc1.bias"] = _rows(hf["visual.merger.mlp.0.bias"], tp_rank, tp_size)
-        out["vision_projection.encoder.linear_fc2.weight"] = _rows(hf["visual.merger.mlp.2.weight"], tp_rank, tp_size, 1)
+        out["vision_projection.encoder.linear_fc2.weight"] = _rows(hf["visual.merger.mlp.2.weight"],
+                                                                   tp_rank, tp_size, 1)
         out["vision_projection.encoder.linear_fc2.bias"] = hf["visual.merger.mlp.2.bias"]
-        out["language_model.embedding.word_embeddings.weight"] = _rows(hf["model.embed_tokens.weight"], tp_rank, tp_size)
+        out["language_model.embedding.word_embeddings.weight"] = _rows(hf["model.embed_tokens.weight"], tp_rank,
+                                                                       tp_size)
     lm = model.language_model
     for local, layer in enumerate(lm.decoder.layers):
         src, dst = f"model.layers.{layer.layer_number - 1}.", f"language_model.decoder.layers.{local}."

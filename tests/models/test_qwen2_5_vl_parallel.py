@@ -173,6 +173,7 @@ def test_vision_lives_on_the_first_pipeline_stage_only(runs):
 
 def test_tensor_parallel_ranks_hold_half_the_heads(runs):
     ranks, _ = runs
-    whole = (CONFIG.num_attention_heads + 2 * CONFIG.num_query_groups) * (CONFIG.hidden_size // CONFIG.num_attention_heads)
+    head_dim = CONFIG.hidden_size // CONFIG.num_attention_heads
+    whole = (CONFIG.num_attention_heads + 2 * CONFIG.num_query_groups) * head_dim
     assert ranks[0]["pp2_uneven", "qkv_rows"] == whole
     assert ranks[0]["tp2", "qkv_rows"] == ranks[1]["tp2_sp", "qkv_rows"] == whole // 2

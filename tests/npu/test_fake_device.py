@@ -21,7 +21,8 @@ g = torch.Generator(device="npu"); g.manual_seed(11)
 own = [torch.rand(3, generator=g, device="npu").cpu() for _ in range(2)]; g.manual_seed(11)
 own_repeats = g.device.type == "npu" and torch.equal(own[0], torch.rand(3, generator=g, device="npu").cpu())
 print("RESULT=" + json.dumps({
-    "fake": [torch_npu.FAKE, "FAKE" in torch_npu.__version__, "FAKE" in torch_npu.report(), "FAKE" in torch_npu.__doc__],
+    "fake": [torch_npu.FAKE, "FAKE" in torch_npu.__version__, "FAKE" in torch_npu.report(),
+             "FAKE" in torch_npu.__doc__],
     "devices": [str(x.device), str(y.device), str(grad_in.grad.device), torch.npu.device_count()],
     "values": y.cpu().tolist(), "sum": x.sum().item(),
     "allocated": torch.npu.memory_allocated(), "peak": torch.npu.max_memory_allocated(),

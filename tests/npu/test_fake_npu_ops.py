@@ -26,7 +26,8 @@ for name, counts in {"zero_token_experts": [3, 0, 5, 0], "single_local_expert": 
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     yr = gm.reference_fwd(xr, wr, tokens)
     yr.backward(dy)
-    results[name] = {"device": str(y.device), "fwd": torch.allclose(y.cpu(), yr), "dx": torch.allclose(xn.grad.cpu(), xr.grad),
+    results[name] = {"device": str(y.device), "fwd": torch.allclose(y.cpu(), yr),
+                     "dx": torch.allclose(xn.grad.cpu(), xr.grad),
                      "dw": torch.allclose(wn.grad.cpu(), wr.grad)}
 try:
     torch_npu.npu_grouped_matmul([x.to("npu")], [w.to("npu")], group_list=[3, 3, 8, 8], group_type=0)

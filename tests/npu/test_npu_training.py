@@ -4,7 +4,6 @@ RNG tracker means (TP ranks agree on replicated activations; full recompute repr
 variants (RNG redirect removed; device='cuda' left unmapped) must fail these checks."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest

@@ -118,7 +118,8 @@ def nvcc_results(tmp_path_factory):
     def compile_one(source):
         # A CPU build of torch ships the CUDA headers without the generated c10/cuda/impl/cuda_cmake_macros.h.
         cmd = [NVCC, "-c", *builder.NVCC_FLAGS, "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE", "--expt-relaxed-constexpr",
-               "-diag-suppress=3306", *includes, str(builder.CSRC / "cuda" / source), "-o", str(out_dir / f"{source}.o")]
+               "-diag-suppress=3306", *includes, str(builder.CSRC / "cuda" / source),
+               "-o", str(out_dir / f"{source}.o")]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(CUDA_SOURCES), os.cpu_count() or 1))) as pool:

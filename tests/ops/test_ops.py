@@ -181,7 +181,7 @@ def test_autograd_formulas_gradcheck():
     t = torch.randn(5, 2, 3, 8, dtype=torch.float64, requires_grad=True)
     freqs = torch.randn(5, 1, 1, 6, dtype=torch.float64)
     for inter in (False, True):
-        assert torch.autograd.gradcheck(lambda a: ops.rotary_pos_emb(a, freqs, inter), (t,))
+        assert torch.autograd.gradcheck(lambda a, inter=inter: ops.rotary_pos_emb(a, freqs, inter), (t,))
     xg = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
     wg = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, b: ops.grouped_matmul(a, b, torch.tensor([2, 0, 4])), (xg, wg))

@@ -63,7 +63,7 @@ def test_ops_benchmark_reports_bandwidth_of_every_implementation(monkeypatch):
 
     bench = load_benchmark("ops", monkeypatch)
     shapes = {"rms_norm": (64, 64), "swiglu": (64, 64), "rotary_pos_emb": (32, 2, 1, 64)}
-    for op, dtype, shape, label, impl, ms, gbs, percent, ratio in rows:
+    for op, _dtype, _shape, label, impl, ms, gbs, percent, ratio in rows:
         if impl in ("mm_adaptor", "eager", "torch F.rms_norm") or (impl == "torch.compile"
                                                                      and not ms.startswith("compile failed")):
             expected = bench.MIN_BYTES[op](shapes[op], torch.float32)[label] / (float(ms) * 1e-3) / 1e9

@@ -51,7 +51,8 @@ def _assert_one_line_refusal(argv, expected, cwd=None):
     (["train", "--attention-dropout", "1.5"], ["--attention-dropout 1.5: must be in [0, 1)"]),
     (["train", "--save", "/proc/x"], ["--save /proc/x cannot be written", "writable directory"]),
     (["train", "--load", "/nonexistent"], ["--load /nonexistent: no such directory"]),
-    (["train", "--use-fused-rmsnrom"], ["unrecognized argument --use-fused-rmsnrom", "did you mean --use-fused-rmsnorm?",
+    (["train", "--use-fused-rmsnrom"], ["unrecognized argument --use-fused-rmsnrom",
+                                        "did you mean --use-fused-rmsnorm?",
                                         "--help"]),
     (["train", "--train-iters"], ["--train-iters: expected one argument"]),
     (["train", "--train-iters", "ten"], ["--train-iters: invalid int value: 'ten'"]),
@@ -78,7 +79,7 @@ def _assert_one_line_refusal(argv, expected, cwd=None):
     (["build-ops", "--device", "tpu"], ["--device: invalid choice: 'tpu'"]),
     (["fingerprint", "no.such.thing"], ["cannot resolve 'no.such.thing'"]),
     (["fingerprint", "json.no_such_function"], ["cannot resolve 'json.no_such_function'", "no_such_function"]),
-    (["report", "--verbose"], ["unrecognized argument --verbose"]),
+    (["report", "--verbos"], ["unrecognized argument --verbos", "did you mean --verbose?"]),
     (["trian"], ["unknown command trian", "did you mean train?"]),
 ], ids=lambda value: " ".join(value) if isinstance(value, list) and value and value[0][:1] != "-" else None)
 def test_bad_input_is_refused_in_one_line_before_any_work(argv, expected):

@@ -70,7 +70,8 @@ def test_cuda_type_names_for_megatron_comparisons(backend):
 
 def test_torch_cuda_calls(backend):
     # left unpatched, so torch's own internals keep their paths (False on a CPU-only host, True beside a GPU)
-    assert torch.cuda.is_available is UNPATCHED_IS_AVAILABLE and "torch.cuda.is_available" not in backend.applied_targets()
+    assert torch.cuda.is_available is UNPATCHED_IS_AVAILABLE
+    assert "torch.cuda.is_available" not in backend.applied_targets()
     assert torch.cuda.device_count() == 1 and torch.cuda.current_device() == 0
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

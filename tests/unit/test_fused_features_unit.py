@@ -172,7 +172,8 @@ def test_dump_names_grouped_experts_like_sequential_ones(cpu_backend):
     F = torch.nn.functional
     for e, rows in enumerate(torch.split(torch.arange(4), sizes.tolist())):
         gate, up = F.linear(x[rows], views[f"local_experts.{e}.linear_fc1.weight"]).chunk(2, -1)
-        torch.testing.assert_close(out[rows], F.linear(F.silu(gate) * up, views[f"local_experts.{e}.linear_fc2.weight"]))
+        torch.testing.assert_close(out[rows], F.linear(F.silu(gate) * up,
+                                                       views[f"local_experts.{e}.linear_fc2.weight"]))
 
 
 def submodules_of(spec):

@@ -77,7 +77,8 @@ def test_fused_rope_leaves_mla_interleaving_to_megatron(monkeypatch, mla_rotary_
 
     monkeypatch.setattr(fused_ops, "_warned", set())
     with pytest.warns(RuntimeWarning, match="mla_rotary_interleaved"):
-        apply_rotary_pos_emb_fused(megatron, None, (t, freqs, config), {"mla_rotary_interleaved": mla_rotary_interleaved})
+        apply_rotary_pos_emb_fused(megatron, None, (t, freqs, config),
+                                   {"mla_rotary_interleaved": mla_rotary_interleaved})
     apply_rotary_pos_emb_fused(megatron, None, (t, freqs, config, None, 1.0, None, mla_rotary_interleaved), {})
     assert len(calls) == 2
 

@@ -38,8 +38,9 @@ def test_a_rank_forwards_python_and_logged_warnings(monkeypatch):
     handlers = list(root.handlers)
     try:
         output.forward_rank_output(sent.append)
-        warnings.warn("careful", UserWarning)
-        logging.getLogger("megatron.core.tensor_parallel.random").warning("CPU RNG state changed within GPU RNG context")
+        warnings.warn("careful", UserWarning, stacklevel=1)
+        rng_logger = logging.getLogger("megatron.core.tensor_parallel.random")
+        rng_logger.warning("CPU RNG state changed within GPU RNG context")
         logging.getLogger("megatron.core").info("not a warning")
     finally:
         root.handlers[:] = handlers

@@ -79,7 +79,7 @@ def test_the_extension_leaks_under_ordinary_teardown(nanobind_extension):
 
 def _warn_last():
     warnings.simplefilter("always")  # the test session's ranks ignore warnings (PYTHONWARNINGS)
-    warnings.warn("said just before the rank exits")
+    warnings.warn("said just before the rank exits", stacklevel=1)
 
 
 def test_a_warning_given_just_before_exit_arrives(capfd):

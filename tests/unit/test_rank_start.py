@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from mm_adaptor import launcher
+from mm_adaptor import launcher, rank_process
 from mm_adaptor.launcher import launch
 
 
@@ -43,7 +43,7 @@ def _patch_megatron_and_report(path):
 def fork_server(monkeypatch):
     if "forkserver" not in __import__("multiprocessing").get_all_start_methods():
         pytest.skip("this OS cannot fork")
-    monkeypatch.delenv(launcher.RANK_START_ENV, raising=False)
+    monkeypatch.delenv(rank_process.RANK_START_ENV, raising=False)
 
 
 def test_ranks_fork_from_the_preloaded_server_and_nothing_leaks_between_runs(tmp_path, fork_server):
@@ -100,7 +100,7 @@ def _record_nothing():
 
 
 def test_spawn_on_request(monkeypatch):
-    monkeypatch.setenv(launcher.RANK_START_ENV, "spawn")
+    monkeypatch.setenv(rank_process.RANK_START_ENV, "spawn")
     assert launcher.rank_context().get_start_method() == "spawn"
 
 
@@ -127,7 +127,7 @@ def test_a_forked_rank_writes_to_the_launcher_s_stdout_as_it_is_now(tmp_path, fo
     script.write_text(_CALLER)
     moved = tmp_path / "moved.txt"
     first = subprocess.run([sys.executable, str(script), str(moved)], capture_output=True, text=True, timeout=300,
-                           env={k: v for k, v in os.environ.items() if k != launcher.RANK_START_ENV})
+                           env={k: v for k, v in os.environ.items() if k != rank_process.RANK_START_ENV})
     assert first.returncode == 0, first.stderr
     assert first.stdout.count("hello from rank 0") == 1, first.stdout
     assert moved.read_text().count("hello from rank 0") == 1, "the second rank wrote to the server's stdout"

@@ -163,7 +163,8 @@ def test_batched_step_matches_the_plain_optimizer_bit_for_bit(budget_bytes):
     ("swap-optimizer", dict(swap_optimizer=True, use_distributed_optimizer=True, optimizer_cpu_offload=True),
      ["--optimizer-cpu-offload"]),
     ("virtual-optimizer", dict(virtual_optimizer=-1.0), ["--virtual-optimizer -1", "negative"]),
-    ("virtual-optimizer", dict(virtual_optimizer=2.0, swap_optimizer=True), ["--virtual-optimizer", "--swap-optimizer"]),
+    ("virtual-optimizer", dict(virtual_optimizer=2.0, swap_optimizer=True),
+     ["--virtual-optimizer", "--swap-optimizer"]),
     ("reuse-fp32-param", dict(reuse_fp32_param=True, bf16=True, swap_optimizer=True), ["--swap-optimizer"]),
 ])
 def test_optimizer_state_features_refuse_in_one_line(feature, kw, names):

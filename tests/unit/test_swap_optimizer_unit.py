@@ -41,6 +41,7 @@ def test_swapped_step_matches_the_plain_optimizer(budget_bytes):
     state.inner.step = lambda: (order.append(("update", sum(len(g["params"]) for g in state.inner.param_groups))),
                                 inner_step())[1]
     g = torch.Generator().manual_seed(1)
+    previous_homes = None
     for step in range(3):
         state.release_mains_for_grads()
         plain_step_on_shared_grads(ref, mains_ref, mains, models_ref, g)

@@ -86,7 +86,8 @@ def family(config) -> Family:
     if not d["tied"]:
         rules.append(Rule("language_model.output_layer.weight", ("lm_head.weight",)))
     extra = {f"{tower}{name}._extra_state": stack for tower, stack in ((vit, "vit"), (llm, "llm"))
-             for name in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")}
+             for name in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+                          "mlp.linear_fc2")}
     extra.update({f"vision_projection.encoder.{name}._extra_state": None for name in ("linear_fc1", "linear_fc2")})
     return Family(
         name="qwen2_5_vl", rules=rules, stacks={"vit": d["vit_layers"], "llm": d["llm_layers"]},

@@ -18,8 +18,9 @@ from mm_adaptor.models.qwen2_5_vl.vision import PatchMerger, VisionModel, refuse
 
 class Qwen25VLModel(MegatronModule):
     """forward(input_ids [b, s], position_ids [3, b, s], ...) -> logits [b, s, vocab / TP] (whole vocab with
-    runtime_gather_output=True; with labels, the per-token loss [b, s]) on the last stage, hidden states [s(/TP with SP), b, h] on the others. position_ids
-    (from positions.rope_index) are needed on every stage; images only on the first."""
+    runtime_gather_output=True; with labels, the per-token loss [b, s]) on the last stage, hidden states
+    [s(/TP with SP), b, h] on the others. position_ids (from positions.rope_index) are needed on every stage;
+    images only on the first."""
 
     def __init__(self, config: Qwen25VLConfig, pre_process: bool = True, post_process: bool = True,
                  parallel_output: bool = True, vp_stage: int | None = None):

@@ -61,7 +61,8 @@ def refuse_unbuilt_impl(config: Qwen25VLConfig) -> None:
     except ImportError:
         raise ValueError("transformer_impl='transformer_engine' needs Transformer Engine, which is not installed; "
                          "use transformer_impl='local'") from None
-    raise NotImplementedError("Qwen2.5-VL on the Transformer Engine spec is not built yet; use transformer_impl='local'")
+    raise NotImplementedError("Qwen2.5-VL on the Transformer Engine spec is not built yet; "
+                              "use transformer_impl='local'")
 
 
 def window_layout(grid_thw: torch.Tensor, merge: int, window_blocks: int):

@@ -1,0 +1,192 @@
+"""How a rank process begins and ends: forked from a server that imported torch and megatron-core once (or
+spawned), with the launcher's environment and stdio; tied to the launcher so that it, and everything it started, dies
+with it; and its exit once its output is out."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import multiprocessing as mp
+import os
+import select
+import signal
+import sys
+import threading
+
+# ---- inside a rank: die with the launcher, taking everything the rank started along ----
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _kill_own_group() -> None:
+    """Kill this rank's descendants and its process group (itself included)."""
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    except ImportError:
+        pass
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def _watch_launcher(parent_pid: int, wakeup_fd: int) -> None:
+    while True:
+        readable, _, _ = select.select([wakeup_fd], [], [], 0.5)
+        if readable and signal.SIGTERM in os.read(wakeup_fd, 64):
+            _kill_own_group()
+        if os.getppid() != parent_pid:
+            _kill_own_group()
+
+
+def die_with_launcher(launcher_pid: int) -> None:
+    """The kernel sends this rank SIGTERM when its parent dies, even by SIGKILL (PR_SET_PDEATHSIG), and a thread
+    also watches for a new parent; either kills the rank's process group, so helpers it started (megatron's
+    checkpoint writers) die too. The thread reacts to SIGTERM through the wakeup fd, so it acts while the main
+    thread is blocked in a collective. The parent is the launcher, or the fork server, which exits with the
+    launcher once no rank holds the launcher's end of its liveness pipe (closed here)."""
+    os.setpgid(0, 0)
+    _release_fork_server()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    parent_pid = os.getppid()
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: _kill_own_group())
+    signal.set_wakeup_fd(write_fd)
+    threading.Thread(target=_watch_launcher, args=(parent_pid, read_fd), name="die-with-launcher",
+                     daemon=True).start()
+    if not _alive(launcher_pid) or (parent_pid != launcher_pid and not _alive(parent_pid)):
+        _kill_own_group()  # it died before the death signal was armed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+def _release_fork_server() -> None:
+    """A rank forked from the server inherits the launcher's end of the server's liveness pipe; holding it would
+    keep the server, and so the rank, alive after the launcher dies."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None and server._forkserver_pid is None:
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+
+
+# ---- how ranks start: forked from a server that imported torch and megatron-core once ----
+
+RANK_START_ENV = "MM_ADAPTOR_RANK_START"  # "fork-server" (the default where the OS can fork) or "spawn"
+PRELOAD_MODULE = "mm_adaptor.rank_preload"
+# Changed by pytest between tests; nothing a rank reads at import.
+_VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
+_server_env: dict[str, str] | None = None
+
+
+_HELPER_COMMANDS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def is_process_helper(process) -> bool:
+    """multiprocessing's resource tracker and the server ranks fork from, which live as long as the launcher's
+    process, not as long as its ranks. `process`: a psutil.Process. A rank forked from the server shows the
+    server's command line, but is the server's child: not a helper."""
+    import psutil
+
+    def helper(p) -> bool:
+        with contextlib.suppress(psutil.Error):
+            return any(name in " ".join(p.cmdline()) for name in _HELPER_COMMANDS)
+        return False
+
+    if not helper(process):
+        return False
+    with contextlib.suppress(psutil.Error):
+        parent = process.parent()
+        return parent is None or not helper(parent)
+    return True
+
+
+def _environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _VOLATILE_ENV}
+
+
+def rank_context():
+    """The multiprocessing context ranks start in. A spawned rank imports torch and megatron-core afresh (about 4 s
+    of CPU each); a rank forked from the server starts with those imports done, and is still a fresh process. The
+    server keeps the environment it started with (what torch and megatron read at import), so when the launcher's
+    has changed since (another PYTHONPATH, another device), the server is replaced by one started now. Every rank
+    also gets the launcher's environment as it is when it starts."""
+    global _server_env
+    if os.environ.get(RANK_START_ENV, "fork-server") == "spawn" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    environment = _environment()
+    if environment != _server_env:
+        forkserver._forkserver._stop()  # the next rank starts a new one
+        mp.set_forkserver_preload([PRELOAD_MODULE])
+        _server_env = environment
+    return mp.get_context("forkserver")
+
+
+class _LauncherStdio:
+    """The launcher's stdout and stderr as they are when a rank starts (a test's capture, a redirect): a rank
+    forked from the server would otherwise write to the server's, which are the launcher's of an earlier time."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _adopt_stdio, (reduction.DupFd(sys.stdout.fileno()), reduction.DupFd(sys.stderr.fileno()))
+
+
+def _adopt_stdio(out, err) -> None:
+    for wrapper, target in ((out, 1), (err, 2)):
+        fd = wrapper.detach()
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def stdio_for(ctx):
+    if ctx.get_start_method() != "forkserver":
+        return None
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    try:
+        sys.stdout.fileno(), sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # no file behind them (a notebook): the server's
+        return None
+    return _LauncherStdio()
+
+
+def end_rank(code: int) -> None:
+    """Exit the rank with `code` once what it sent, started and buffered is out, skipping interpreter teardown.
+
+    Teardown ends with a full garbage collection over torch's and megatron's objects (seconds after the work is
+    done), and then extensions' leak checkers run: nanobind's (Triton's bindings) prints a hundred lines about
+    objects a rank simply never freed. The OS reclaims the memory; os._exit skips both."""
+    from multiprocessing import util
+
+    util._exit_function()  # what multiprocessing does after the target: queue feeders flushed, children joined
+    # what the interpreter does next: threading's exit callbacks (a ThreadPoolExecutor's tells its idle workers to
+    # stop; joining them without it waits forever), then the join of every non-daemon thread
+    threading._shutdown()
+    atexit._run_exitfuncs()  # Python-level exit handlers, logging's flush among them
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
