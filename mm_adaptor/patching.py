@@ -97,6 +97,14 @@ def _installed_holders(patches: list) -> dict["Patch", list[tuple[Any, str]]] | 
                 if module is not p._owner and name.startswith(p._prefixes(p._owner))] for p in following}
 
 
+def bound_arguments(names, args: tuple, kwargs: dict, *, named_only: bool = False) -> dict:
+    """A call's arguments by parameter name, for the wrappers that read a few arguments of the call they wrap: the
+    positional ones named in order, then the keywords (with named_only, only those in `names`)."""
+    bound = dict(zip(names, args))
+    bound.update((key, value) for key, value in kwargs.items() if not named_only or key in names)
+    return bound
+
+
 class Patch:
     """Replace or wrap one dotted target. `new` is the replacement, or a wrapt
     wrapper(wrapped, instance, args, kwargs)."""

@@ -93,8 +93,12 @@ def _release_fork_server() -> None:
 
 RANK_START_ENV = "MM_ADAPTOR_RANK_START"  # "fork-server" (the default where the OS can fork) or "spawn"
 PRELOAD_MODULE = "mm_adaptor.rank_preload"
-# Changed by pytest between tests; nothing a rank reads at import.
-_VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
+# What torch and megatron-core do not read at import, so a change needs no new server (the rank gets the current
+# value anyway): mm_adaptor's own settings (read by its code in the rank, e.g. the harness's extra feature modules),
+# the rendezvous, and pytest's per-test marker.
+_NOT_READ_AT_IMPORT = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                       "PYTEST_CURRENT_TEST")
+_NOT_READ_AT_IMPORT_PREFIXES = ("MM_ADAPTOR_",)
 _server_env: dict[str, str] | None = None
 
 
@@ -121,7 +125,8 @@ def is_process_helper(process) -> bool:
 
 
 def _environment() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in _VOLATILE_ENV}
+    return {k: v for k, v in os.environ.items()
+            if k not in _NOT_READ_AT_IMPORT and not k.startswith(_NOT_READ_AT_IMPORT_PREFIXES)}
 
 
 def rank_context():

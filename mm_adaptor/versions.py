@@ -85,10 +85,6 @@ def registered_megatron_patches(errors: list[str] | None = None) -> list[Registe
     return sorted(found.values(), key=lambda p: (p.target, p.owner))
 
 
-def megatron_targets() -> list[str]:
-    return sorted({patch.target for patch in registered_megatron_patches()})
-
-
 @dataclass
 class FeatureVersions:
     name: str

@@ -26,6 +26,15 @@ def _transformer_engine_importable() -> bool:
     return True
 
 
+def _transformer_engine_serves(ps: PatchSet, because: str = "Transformer Engine is installed") -> bool:
+    """The one Transformer Engine guard of the patch sets needed only without it: where TE imports, `ps` is not
+    needed (and says why)."""
+    if _transformer_engine_importable():
+        ps.not_needed = because
+        return True
+    return False
+
+
 def _core() -> Contract:
     return Contract(versions=SUPPORTED_MEGATRON_CORE)
 
@@ -138,8 +147,7 @@ def te_version_query_patches() -> PatchSet:
         unpatched="raises TypeError ('>=' not supported between instances of 'NoneType' and 'Version'); megatron asks "
                   "only on TE-only paths (fp8/fp4, precision-aware optimizer, TE op fuser, CUDA graphs, --qk-clip, "
                   "--rotary-interleaved with rope fusion, ...): dense and MoE local-spec runs never reach it")
-    if _transformer_engine_importable():
-        ps.not_needed = "Transformer Engine is installed"
+    if _transformer_engine_serves(ps):
         return ps
     ps.wrap("megatron.core.utils.is_te_min_version", _te_min_version_false_without_te, contract=_core())
     return ps
@@ -151,8 +159,7 @@ def moe_router_without_te_patches() -> PatchSet:
         changes="defines moe_utils.te_general_gemm = None, so the MoE router's gating GEMM takes megatron's torch path",
         unpatched="every MoE router forward raises NameError: name 'te_general_gemm' is not defined "
                   "(moe_utils.RouterGatingLinearFunction reads a name megatron defines only when TE imports)")
-    if _transformer_engine_importable():
-        ps.not_needed = "Transformer Engine is installed"
+    if _transformer_engine_serves(ps):
         return ps
     if _megatron_core_at_least("0.17.0"):
         # Its fingerprint differs from 0.16.1's because megatron now assigns the name itself: the fix is upstream.
@@ -170,8 +177,7 @@ def fused_softmax_availability_patches() -> PatchSet:
                 "(scaled_masked_softmax_cuda) cannot be imported, so megatron's torch softmax runs",
         unpatched="with --masked-softmax-fusion (Megatron-LM's default) and bf16/fp16 attention scores of a "
                   "kernel-eligible shape, raises ModuleNotFoundError: No module named 'scaled_masked_softmax_cuda'")
-    if _transformer_engine_importable():
-        ps.not_needed = "Transformer Engine is installed"
+    if _transformer_engine_serves(ps):
         return ps
     ps.wrap("megatron.core.fusions.fused_softmax.FusedScaleMaskSoftmax.is_kernel_available",
             _softmax_kernel_unavailable_without_extension, contract=_core())
@@ -188,8 +194,7 @@ def torch_adam_distributed_checkpoint_patches() -> PatchSet:
                   "(distrib_optimizer.py: assert len(steps) == 1, no step yet); in fp32 the dp_reshardable load then "
                   "raises RuntimeError (in-place copy into a view of a leaf that requires grad); and a dp_reshardable "
                   "load leaves Adam's step at the loading template's value instead of the checkpoint's")
-    if _transformer_engine_importable():
-        ps.not_needed = "Transformer Engine is installed (its FusedAdam keeps step in the param groups)"
+    if _transformer_engine_serves(ps, "Transformer Engine is installed (its FusedAdam keeps step in the param groups)"):
         return ps
     base = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
     ps.wrap(f"{base}.state_dict", _dist_optimizer_state_dict_before_first_step, contract=_core())
@@ -223,8 +228,7 @@ def rope_fusion_patches() -> PatchSet:
                 "sequences still need --no-rope-fusion, as without TE unpatched)",
         unpatched="TransformerConfig raises ValueError: apply_rope_fusion is not available. Please install TE >= 1.4. "
                   "(--no-rope-fusion avoids it)")
-    if _transformer_engine_importable():
-        ps.not_needed = "Transformer Engine is installed (megatron uses TE's fused RoPE)"
+    if _transformer_engine_serves(ps, "Transformer Engine is installed (megatron uses TE's fused RoPE)"):
         return ps
     # The contract's fingerprint is None's: an existing kernel is never replaced.
     ps.replace("megatron.core.models.common.embeddings.rope_utils.fused_apply_rotary_pos_emb",

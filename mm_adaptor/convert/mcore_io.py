@@ -216,13 +216,6 @@ class Reader:
         return out
 
 
-def load_group(checkpoint: Path, requests: dict) -> dict:
-    """megatron's own load of {name: ShardedTensor} (whole keys on one rank), used by the tests to cross-check."""
-    from megatron.core import dist_checkpointing
-
-    return dist_checkpointing.load({"model": requests}, str(checkpoint), validate_access_integrity=False)["model"]
-
-
 def _moved(stacks, fqn, offsets):
     """A piece's offsets in the joined checkpoint: a stacked tensor's layer index becomes its global one."""
     return offsets if fqn not in stacks else (stacks[fqn][0][offsets[0]], *offsets[1:])

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mm_adaptor.patching import bound_arguments
+
 
 class _Completed:
     """The work handle of a collective that already ran."""
@@ -28,7 +30,7 @@ def _on_gloo(group) -> bool:
 def _all_gather_uneven(func, args, kwargs):
     """gloo's all_gather takes equal sizes only; megatron's MoE gathers uneven ones (expert tensor parallelism):
     each rank's part is padded to the widest, gathered in one all_gather_into_tensor and cut back."""
-    bound = dict(zip(("tensor_list", "tensor", "group", "async_op"), args), **kwargs)
+    bound = bound_arguments(("tensor_list", "tensor", "group", "async_op"), args, kwargs)
     outputs, tensor, group = bound["tensor_list"], bound["tensor"], bound.get("group")
     if all(out.shape == tensor.shape for out in outputs) or not _on_gloo(group):
         return func(*args, **kwargs)
@@ -45,7 +47,7 @@ def _all_gather_uneven(func, args, kwargs):
 def _reduce_scatter_list(func, args, kwargs):
     """gloo has no list reduce_scatter (megatron's MoE uses it for uneven sizes): the parts are padded to the
     widest and reduce-scattered as one tensor."""
-    bound = dict(zip(("output", "input_list", "op", "group", "async_op"), args), **kwargs)
+    bound = bound_arguments(("output", "input_list", "op", "group", "async_op"), args, kwargs)
     output, parts, group = bound["output"], bound["input_list"], bound.get("group")
     if not _on_gloo(group):
         return func(*args, **kwargs)

@@ -29,7 +29,7 @@ import torch
 from mm_adaptor.devices.base import DeviceBackend, legacy_fused_kernels_present
 from mm_adaptor.devices.redirect import (Redirection, Target, new_group_request, process_group_request,
                                          rng_state_patches)
-from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, Patch, PatchSet
+from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, Patch, PatchSet, bound_arguments
 
 NPU_ONLY = "the NPU backend only"
 REDIRECTED = (
@@ -60,7 +60,7 @@ def _all_reduce_fp64_as_bits(func, args, kwargs):
     """HCCL has no float64 collectives: gather every rank's float64 bits (as int32 pairs) and reduce them here."""
     import torch.distributed as dist
 
-    bound = dict(zip(("tensor", "op", "group", "async_op"), args), **kwargs)
+    bound = bound_arguments(("tensor", "op", "group", "async_op"), args, kwargs)
     tensor, group = bound["tensor"], bound.get("group")
     op = bound.get("op", dist.ReduceOp.SUM)
     if tensor.dtype != torch.float64 or not _on_hccl(group) or bound.get("async_op"):

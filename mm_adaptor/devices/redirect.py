@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet, bound_arguments
 
 CUDA_TYPE_NAMES = ("FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "ByteTensor", "CharTensor",
                    "ShortTensor", "IntTensor", "LongTensor", "BoolTensor")
@@ -127,8 +127,7 @@ def _backward_keeping_mode(mode, func, args, kwargs):
     from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
     from torch.autograd.graph import _engine_run_backward
 
-    bound = dict(zip(_BACKWARD_ARGUMENTS[func], args))
-    bound.update(kwargs)
+    bound = bound_arguments(_BACKWARD_ARGUMENTS[func], args, kwargs)
     if "gradient" in bound:
         bound["grad_tensors"] = bound.pop("gradient")
     tensors, inputs = bound.get("tensors"), bound.get("inputs")

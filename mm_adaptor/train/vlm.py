@@ -95,8 +95,6 @@ def shape_args(args) -> list[str]:
 
 def problems(args) -> list[str]:
     """What the VLM branch cannot run (one line each), after the driver's own layout rules."""
-    from mm_adaptor import features
-
     found = []
     pp = args.pipeline_model_parallel_size
     if args.virtual_pipeline_model_parallel_size:
@@ -116,15 +114,7 @@ def problems(args) -> list[str]:
                      "train: use tensor or data parallelism")
     if args.model == "qwen2_5_vl" and not args.data_path:
         found.append("--model qwen2_5_vl needs --data-path FILE.json[l] (synthetic data is for qwen2_5_vl-tiny)")
-    for feature in features.enabled_features(features.fill_defaults(argparse.Namespace(**vars(args)))):
-        reason = CANNOT_SERVE.get(feature.name)
-        if reason:
-            found.append(f"{feature.main_flag.option} cannot serve --model {args.model}: {reason}")
     return found
-
-
-# feature name -> why it cannot serve the VLM (filled from `mm-adaptor check --model qwen2_5_vl-tiny` runs)
-CANNOT_SERVE: dict[str, str] = {}
 
 
 def data_problems(args) -> list[str]:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from mm_adaptor.patching import bound_arguments
+
 
 class InFlight:
     """Forward steps minus backward steps while gradients are on (evaluation does not count)."""
@@ -90,7 +92,7 @@ def warmup_with_extra(extra: int):
     def wrapper(wrapped, instance, args, kwargs):
         total, all_in_warmup, warmup, remaining = wrapped(*args, **kwargs)
         names = ("num_microbatches", "num_model_chunks", "microbatch_group_size_per_vp_stage", "forward_only")
-        bound = dict(zip(names, args), **kwargs)
+        bound = bound_arguments(names, args, kwargs)
         IN_FLIGHT.read_back()  # the last schedule's pass times, before this one records more
         if bound.get("forward_only") or bound["num_model_chunks"] == 1 or all_in_warmup:
             return total, all_in_warmup, warmup, remaining
@@ -119,23 +121,3 @@ def counting_backward(wrapped, instance, args, kwargs):
     if IN_FLIGHT.schedules == 1:
         IN_FLIGHT.first_step.append(("B",))
     return result
-
-
-ACTIVATION_TAG, GRADIENT_TAG = 1, 2
-
-
-def p2p_ops_tagged_by_kind(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
-                           prev_pipeline_rank, next_pipeline_rank):
-    """EXPERIMENT: megatron's _p2p_ops with activations and gradients on separate tags."""
-    import torch.distributed as dist
-
-    reqs = {}
-    for name, op, tensor, peer, tag in (
-            ("send_next", dist.isend, tensor_send_next, next_pipeline_rank, ACTIVATION_TAG),
-            ("recv_prev", dist.irecv, tensor_recv_prev, prev_pipeline_rank, ACTIVATION_TAG),
-            ("send_prev", dist.isend, tensor_send_prev, prev_pipeline_rank, GRADIENT_TAG),
-            ("recv_next", dist.irecv, tensor_recv_next, next_pipeline_rank, GRADIENT_TAG)):
-        if tensor is not None:
-            kw = {"dst": peer} if op is dist.isend else {"src": peer}
-            reqs[name] = op(tensor=tensor, group=group, tag=tag, **kw)
-    return reqs

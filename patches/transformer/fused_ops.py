@@ -7,6 +7,7 @@ import warnings
 import torch
 
 from mm_adaptor import ops
+from mm_adaptor.patching import bound_arguments
 
 
 _warned: set[tuple[str, str]] = set()
@@ -59,8 +60,7 @@ def torch_norm_new_with_fused_rmsnorm(wrapped, instance, args, kwargs):
 
     persist_layer_norm only selects Apex's persistent LayerNorm kernel: no meaning here, accepted."""
     names = ("cls", "config", "hidden_size", "eps")
-    bound = dict(zip(names, args))
-    bound.update({k: v for k, v in kwargs.items() if k in names})
+    bound = bound_arguments(names, args, kwargs, named_only=True)
     config = bound["config"]
     if config.normalization != "RMSNorm":
         return wrapped(*args, **kwargs)
@@ -159,8 +159,7 @@ def apply_rotary_pos_emb_fused(wrapped, instance, args, kwargs):
     """apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, ...) on the native kernel for the
     [s, b, h, d] layout (rotate-half and interleaved, partial rotary); megatron's code runs otherwise."""
     names = ("t", "freqs", "config", "cu_seqlens", "mscale", "cp_group", "mla_rotary_interleaved")
-    bound = dict(zip(names, args))
-    bound.update({k: v for k, v in kwargs.items() if k in names})
+    bound = bound_arguments(names, args, kwargs, named_only=True)
     config = bound["config"]
     why_not = _rope_needs_megatron(bound["t"], bound["freqs"], config, bound.get("cu_seqlens"),
                                    bound.get("mscale", 1.0), bound.get("mla_rotary_interleaved", False))
@@ -201,8 +200,7 @@ def dot_product_attention_forward_flash(wrapped, instance, args, kwargs):
     if instance is None:
         instance, args = args[0], args[1:]
     names = ("query", "key", "value", "attention_mask", "attn_mask_type", "attention_bias", "packed_seq_params")
-    bound = dict(zip(names, args))
-    bound.update({k: v for k, v in kwargs.items() if k in names})
+    bound = bound_arguments(names, args, kwargs, named_only=True)
     query, key, value = bound["query"], bound["key"], bound["value"]
     mask = bound.get("attention_mask")
     why_not = _flash_attention_needs_megatron(instance, query, key, mask, bound.get("attention_bias"),

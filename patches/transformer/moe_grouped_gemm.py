@@ -7,6 +7,7 @@ import types
 import torch
 
 from mm_adaptor import ops
+from mm_adaptor.patching import bound_arguments
 
 
 def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
@@ -180,7 +181,7 @@ def sequential_mlp_forward_grouped(stats, function=None):
             _warn_megatron_loop(why)
             stats["SequentialMLP forwards on megatron's loop"] += 1
             return wrapped(*args, **kwargs)
-        bound = dict(zip(("permuted_local_hidden_states", "tokens_per_expert", "permuted_probs"), args), **kwargs)
+        bound = bound_arguments(("permuted_local_hidden_states", "tokens_per_expert", "permuted_probs"), args, kwargs)
         hidden, probs = bound["permuted_local_hidden_states"], bound["permuted_probs"]
         counts = bound["tokens_per_expert"]
         counts = (counts if torch.is_tensor(counts) else torch.tensor(list(counts))).to("cpu", torch.long)

@@ -20,6 +20,7 @@ def _record(path):
         "preloaded": "mm_adaptor.rank_preload" in sys.modules and "megatron.core" in sys.modules,
         "parent": os.getppid(),
         "marker": os.environ.get("MM_ADAPTOR_TEST_MARKER"),
+        "torch_marker": os.environ.get("TORCH_TEST_MARKER"),
     }
     if os.environ["RANK"] == "0":
         with open(path, "w") as f:
@@ -63,10 +64,14 @@ def test_a_changed_environment_gets_a_new_server(tmp_path, fork_server, monkeypa
     path = tmp_path / "state.json"
     launch(_record, (str(path),), nproc=2, timeout=120)  # the server exists with this environment
     first_server = json.loads(path.read_text())["parent"]
-    monkeypatch.setenv("MM_ADAPTOR_TEST_MARKER", "changed")
+    monkeypatch.setenv("MM_ADAPTOR_TEST_MARKER", "changed")  # read by mm_adaptor in the rank, not at import
     launch(_record, (str(path),), nproc=2, timeout=120)
     state = json.loads(path.read_text())
-    assert state["marker"] == "changed" and state["preloaded"]
+    assert state["marker"] == "changed" and state["parent"] == first_server, "an mm_adaptor setting needs no server"
+    monkeypatch.setenv("TORCH_TEST_MARKER", "changed")  # torch and megatron could read this one at import
+    launch(_record, (str(path),), nproc=2, timeout=120)
+    state = json.loads(path.read_text())
+    assert state["preloaded"] and state["torch_marker"] == "changed"
     assert state["parent"] != first_server, "the server that started with the old environment forked the rank"
     assert not __import__("psutil").pid_exists(first_server), "the old server is still running"
 
