@@ -4,6 +4,8 @@ overlapped with the matmuls of the other chunks."""
 from collections import Counter
 
 from mm_adaptor.features import Feature, FeatureConfigError, Flag, Tolerance, register, require_local_spec
+from mm_adaptor.verification import (BASE_RELEASE, NO_GPU, PIP_0_17_1, PIP_0_18_2, TP2_DISTOPT, fake_npu_check,
+                                     same_everywhere)
 
 MAIN, ALIAS, CHUNKS = "--use-coc", "--use-ascend-coc", "--coc-parallel-num"
 CHUNK_CHOICES = (1, 2, 4, 8)
@@ -17,6 +19,15 @@ ROUTED_EXPERTS = "megatron.core.transformer.moe.moe_layer.MoELayer.routed_expert
 @register
 class ComputeOverlappedCommunication(Feature):
     name = "coc"
+    verified_on = {"0.16.1": BASE_RELEASE, "0.17.1": PIP_0_17_1, "0.18.0": PIP_0_18_2,
+                   "0.19.0": "linears bound by the installed signature; GTP, delayed wgrad and zero-copy experts "
+                             "left to megatron; bit for bit in every TP layout on 0.19.2"}
+    devices = same_everywhere("NCCL overlap " + NO_GPU + " (needs two GPUs)", fake_npu_check(TP2_DISTOPT))
+    refusal_probes = (
+        ("tuning flag alone", {"coc_parallel_num": 2}),
+        ("no tensor parallelism", {"use_coc": True, "tensor_model_parallel_size": 1}),
+        ("with --tp-comm-overlap", {"use_coc": True, "tensor_model_parallel_size": 2, "tp_comm_overlap": True}),
+    )
     description = ("tensor-parallel linears split each rank's sequence rows into N chunks: a column-parallel "
                    "linear under sequence parallelism multiplies chunk i while the all-gathers of the later chunks "
                    "are in flight; a row-parallel linear starts each chunk's reduce-scatter (or all-reduce) as soon "

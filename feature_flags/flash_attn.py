@@ -1,11 +1,14 @@
 """--use-flash-attn (Megatron-LM's own flag): the local spec's core attention runs PyTorch's fused attention."""
 
 from mm_adaptor.features import Feature, Flag, fused_kernel_tolerance, register, wrap_one
+from mm_adaptor.verification import STACKED_FUSED_FAILED_ON_H100, TP2_DISTOPT, fake_npu_check, same_everywhere
 
 
 @register
 class FlashAttention(Feature):
     name = "flash-attn"
+    devices = same_everywhere(STACKED_FUSED_FAILED_ON_H100, fake_npu_check(
+        TP2_DISTOPT, "npu_fusion_attention and npu_fusion_attention_grad"))
     description = ("the local spec's core attention (DotProductAttention) runs mm_adaptor.ops.flash_attention: "
                    "PyTorch's fused kernels, GQA, causal/padding/sliding-window masks, attention dropout (PyTorch's "
                    "fused kernels' on CUDA, torch_npu.npu_fusion_attention's on the NPU, a blockwise fp32 kernel on "

@@ -8,6 +8,7 @@ grouped_matmul each. Each generation's patches are applied where their targets e
 from collections import Counter
 
 from mm_adaptor.features import Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register, require_local_spec
+from mm_adaptor.verification import BASE_RELEASE, EP2_BF16, fake_npu_check, on_one_h100, same_everywhere
 
 GROUPED_GEMM_UTIL = "megatron.core.transformer.moe.grouped_gemm_util"
 SEQUENTIAL_MLP_FORWARD = "megatron.core.transformer.moe.experts.SequentialMLP.forward"
@@ -16,6 +17,16 @@ SEQUENTIAL_MLP_FORWARD = "megatron.core.transformer.moe.experts.SequentialMLP.fo
 @register
 class FusedGroupedMatmul(Feature):
     name = "fused-gmm"
+    verified_on = {"0.16.1": BASE_RELEASE,
+                   "0.19.0": "no GroupedMLP: --moe-grouped-gemm's SequentialMLP runs one grouped_matmul per fc; "
+                             "ep2-moe and tp2-sp pass on 0.19.2, a wrong-wgrad variant fails"}
+    devices = same_everywhere(on_one_h100("4 experts, --moe-grouped-gemm, fp32, worst 0.29 of the limit"),
+                              fake_npu_check(EP2_BF16, "npu_grouped_matmul"))
+    refusal_probes = (
+        ("probabilities on the input with top-k > 1",
+         {"use_fused_gmm": True, "moe_grouped_gemm": True, "num_experts": 4, "disable_bias_linear": True,
+          "moe_apply_probs_on_input": True, "moe_router_topk": 2}),
+    )
     description = ("--moe-grouped-gemm's experts run mm_adaptor::grouped_matmul (one call per expert group, any "
                    "dtype): megatron-core 0.16's GroupedMLP instead of the grouped_gemm package; 0.17+'s SequentialMLP "
                    "(what the local spec builds there) instead of one GEMM pair per expert; works with expert "

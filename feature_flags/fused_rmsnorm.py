@@ -3,11 +3,21 @@
 from mm_adaptor.features import (Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register,
                                  require_local_spec,
                                   wrap_one)
+from mm_adaptor.verification import (BASE_RELEASE, ON_0_19_2, STACKED_FUSED_FAILED_ON_H100, TP2_DISTOPT,
+                                     fake_npu_check, same_everywhere)
 
 
 @register
 class FusedRMSNorm(Feature):
     name = "fused-rmsnorm"
+    verified_on = {"0.16.1": BASE_RELEASE,
+                   "0.19.0": "WrappedTorchNorm.__new__ gained a return annotation only; " + ON_0_19_2}
+    devices = same_everywhere(STACKED_FUSED_FAILED_ON_H100, fake_npu_check(
+        TP2_DISTOPT, "npu_rms_norm and npu_rms_norm_backward"))
+    refusal_probes = (
+        ("memory-efficient layer norm",
+         {"use_fused_rmsnorm": True, "normalization": "RMSNorm", "memory_efficient_layer_norm": True}),
+    )
     description = ("RMSNorm modules of the local spec (layer norms, final norm, q/k norms) run mm_adaptor::rms_norm: "
                    "one pass each way, fp32 accumulation; works with sequence parallelism and --apply-layernorm-1p "
                    "(zero-centred weight, y = x_hat * (1 + w))")

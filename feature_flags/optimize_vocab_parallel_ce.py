@@ -2,6 +2,7 @@
 
 from mm_adaptor.features import Feature, Flag, Tolerance, register
 from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+from mm_adaptor.verification import NO_GPU, TP2_DISTOPT, fake_npu_check, same_everywhere
 
 TARGET = "megatron.core.tensor_parallel.cross_entropy.VocabParallelCrossEntropy.calculate_predicted_logits"
 
@@ -9,6 +10,7 @@ TARGET = "megatron.core.tensor_parallel.cross_entropy.VocabParallelCrossEntropy.
 @register
 class OptimizeVocabParallelCE(Feature):
     name = "optimize-vocab-parallel-ce"
+    devices = same_everywhere(NO_GPU, fake_npu_check(TP2_DISTOPT))
     description = ("vocab-parallel cross-entropy zeroes out-of-shard targets and their logits with torch.where "
                    "instead of boolean-indexed writes (x[mask] = 0); same values, non-finite logits included. For "
                    "devices whose index_put_ runs nonzero + scatter and a host sync (MindSpeed makes this rewrite "

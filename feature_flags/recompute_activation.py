@@ -3,6 +3,8 @@ inputs, not its output; the output's storage is released once fc2 has saved it a
 just before fc2's backward."""
 
 from mm_adaptor.features import Feature, Flag, Tolerance, refuse_unless_local_spec, register
+from mm_adaptor.verification import (BASE_RELEASE, NO_GPU, ON_0_19_2, PIP_0_18_2, TP2_DISTOPT, fake_npu_check,
+                                     same_everywhere)
 
 MAIN = "--recompute-activation-function"
 NUM_LAYERS = "--recompute-activation-function-num-layers"
@@ -11,6 +13,16 @@ NUM_LAYERS = "--recompute-activation-function-num-layers"
 @register
 class RecomputeActivation(Feature):
     name = "recompute-activation-function"
+    verified_on = {"0.16.1": BASE_RELEASE, "0.18.0": PIP_0_18_2 + " (GPT and HybridModel)", "0.19.0": ON_0_19_2}
+    devices = same_everywhere(NO_GPU, fake_npu_check(TP2_DISTOPT))
+    refusal_probes = (
+        ("N without the main flag", {"recompute_activation_function_num_layers": 1}),
+        ("negative N", {"recompute_activation_function": True, "recompute_activation_function_num_layers": -1}),
+        ("uniform full recompute", {"recompute_activation_function": True, "recompute_granularity": "full",
+                                    "recompute_method": "uniform", "recompute_num_layers": 1}),
+        ("moe_act recompute too", {"recompute_activation_function": True, "recompute_granularity": "selective",
+                                   "recompute_modules": ["moe_act"]}),
+    )
     description = ("the MLP's activation (SwiGLU or GeLU; dense MLP, SequentialMLP and GroupedMLP experts) keeps "
                    "its inputs, not its output: the output's storage is released after fc2 saved it and recomputed "
                    "into the same storage when fc2's output gradient arrives")

@@ -3,6 +3,8 @@ residual, not as a separate 4-byte copy; restored exactly, a batch at a time, fo
 
 from mm_adaptor.feature_flags._optimizer_state import BatchedOptimizerStateFeature, state_owner_refusal
 from mm_adaptor.features import Flag, Tolerance, register
+from mm_adaptor.verification import (BASE_RELEASE, EP2_BF16, PIP_0_17_1, PIP_0_18_2, fake_npu_check, on_one_h100,
+                                     same_everywhere)
 
 MAIN = "--reuse-fp32-param"
 BUDGET = "--reuse-fp32-param-batch-mb"
@@ -31,6 +33,18 @@ def refusal_for(options) -> str | None:
 @register
 class ReuseFp32Param(BatchedOptimizerStateFeature):
     name = "reuse-fp32-param"
+    verified_on = {"0.16.1": BASE_RELEASE, "0.17.1": PIP_0_17_1, "0.18.0": PIP_0_18_2,
+                   "0.19.0": "the wrapped optimizer functions gained Lion, NVFP4 and FSDP branches off the Adam paths "
+                             "kept; bit for bit on 0.19.2, checkpoints load both ways"}
+    devices = same_everywhere(on_one_h100("--bf16, optimizer main params -50%"), fake_npu_check(EP2_BF16))
+    refusal_probes = (
+        ("without --bf16", {"reuse_fp32_param": True}),
+        ("with --fp16", {"reuse_fp32_param": True, "fp16": True}),
+        ("with --swap-optimizer", {"reuse_fp32_param": True, "bf16": True, "swap_optimizer": True,
+                                   "use_distributed_optimizer": True}),
+        ("with --use-precision-aware-optimizer", {"reuse_fp32_param": True, "bf16": True,
+                                                  "use_precision_aware_optimizer": True}),
+    )
     default_budget_mb = DEFAULT_BUDGET_MB
     wrappers_module = "mm_adaptor.patches.optimizer.reuse_fp32_param"
     description = ("bf16 runs: the fp32 main parameters are kept as the model's bf16 parameters (their high halves) "

@@ -3,6 +3,8 @@ block saves for backward waits in host memory between a layer's forward and its 
 
 from mm_adaptor.feature_flags._refusals import cuda_graph_refusal
 from mm_adaptor.features import Feature, Flag, Tolerance, refuse_unless_local_spec, register
+from mm_adaptor.verification import (BASE_RELEASE, ON_0_19_2, PIP_0_17_1, PIP_0_18_2, TP2_DISTOPT, fake_npu_check,
+                                     on_one_h100, same_everywhere)
 
 MAIN = "--swap-attention"
 MODULES = "--swap-modules"
@@ -14,6 +16,19 @@ DEFAULT_MIN_BYTES = 64 * 1024
 @register
 class SwapAttention(Feature):
     name = "swap-attention"
+    verified_on = {"0.16.1": BASE_RELEASE, "0.17.1": PIP_0_17_1, "0.18.0": PIP_0_18_2 + " (GPT and HybridModel)",
+                   "0.19.0": ON_0_19_2}
+    devices = same_everywhere(on_one_h100("fp32, --swap-min-bytes 0, saved activations -43% and -46% on device"),
+                              fake_npu_check(TP2_DISTOPT + " (the fake's streams are synchronous)"))
+    refusal_probes = (
+        ("tuning flag alone", {"swap_min_bytes": 0}),
+        ("unknown module", {"swap_attention": True, "swap_modules": "attention"}),
+        ("negative distance", {"swap_attention": True, "swap_prefetch_distance": -1}),
+        ("uniform full recompute", {"swap_attention": True, "recompute_granularity": "full",
+                                    "recompute_method": "uniform"}),
+        ("with megatron's --cpu-offloading", {"swap_attention": True, "cpu_offloading": True}),
+        ("with a CUDA graph", {"swap_attention": True, "enable_cuda_graph": True}),
+    )
     description = ("tensors the attention block (input norm, self-attention, post-attention norm) saves for backward "
                    "are copied to pinned host memory on a side stream during forward and their device storage let "
                    "go; each layer is copied back on another side stream when the layer D above it starts its "

@@ -1,8 +1,12 @@
 """--swap-optimizer [--swap-optimizer-batch-mb N]: the distributed optimizer's fp32 main-parameter shards and Adam's
 moments wait in pinned host memory between steps; the step streams them through the device in batches."""
 
+import math
+
 from mm_adaptor.feature_flags._optimizer_state import BatchedOptimizerStateFeature, state_owner_refusal
 from mm_adaptor.features import Flag, Tolerance, register
+from mm_adaptor.verification import (BASE_RELEASE, PIP_0_17_1, TP2_DISTOPT, fake_npu_check, on_one_h100,
+                                     same_everywhere)
 
 MAIN = "--swap-optimizer"
 BUDGET = "--swap-optimizer-batch-mb"
@@ -26,6 +30,17 @@ def refusal_for(options) -> str | None:
 @register
 class SwapOptimizer(BatchedOptimizerStateFeature):
     name = "swap-optimizer"
+    verified_on = {"0.16.1": BASE_RELEASE, "0.17.1": PIP_0_17_1,
+                   "0.19.0": "main parameters back in host memory after prepare_grads (0.19's ChainedOptimizer can "
+                             "skip the step); bit for bit on 0.19.2 in dp2-distopt fp32 and bf16"}
+    devices = same_everywhere(on_one_h100("--use-distributed-optimizer --bf16, main parameters and moments in host "
+                                          "memory"),
+                              fake_npu_check(TP2_DISTOPT + " (the fake's streams are synchronous)"))
+    refusal_probes = (
+        ("without the distributed optimizer", {"swap_optimizer": True}),
+        ("with --virtual-optimizer", {"swap_optimizer": True, "use_distributed_optimizer": True,
+                                      "virtual_optimizer": math.inf}),
+    )
     default_budget_mb = DEFAULT_BUDGET_MB
     wrappers_module = "mm_adaptor.patches.optimizer.swap_optimizer"
     description = ("the distributed optimizer's fp32 main-parameter shards (bf16 and fp16 runs) and Adam's moments "

@@ -5,6 +5,7 @@ import math
 
 from mm_adaptor.feature_flags._optimizer_state import OptimizerStateFeature, state_owner_refusal
 from mm_adaptor.features import FeatureConfigError, Flag, Tolerance, register
+from mm_adaptor.verification import BASE_RELEASE, NO_GPU, NO_NPU, PIP_0_17_1, Record, same_everywhere
 
 MAIN = "--virtual-optimizer"
 NPU_REFUSAL = ("refused on the NPU backend: torch_npu's swapped-memory tensors take only fill_, zero_, "
@@ -15,6 +16,16 @@ NPU_REFUSAL = ("refused on the NPU backend: torch_npu's swapped-memory tensors t
 @register
 class VirtualOptimizer(OptimizerStateFeature):
     name = "virtual-optimizer"
+    verified_on = {"0.16.1": BASE_RELEASE, "0.17.1": PIP_0_17_1,
+                   "0.19.0": "bit for bit on 0.19.2 in tp2 fp32 and dp2-distopt bf16"}
+    devices = same_everywhere(
+        "mapped host memory (host_mapped_copy): built on one H100, its checks not reached in that session; " + NO_GPU,
+        Record("not run", "refused on NPU (host_mapped_copy): torch_npu's swapped-memory tensors take only fill_, "
+                          "zero_, npu_apply_adam_w and the hans codecs by its documentation, not the element-wise "
+                          "Adam the virtual optimizer runs on them (docs/npu.md); " + NO_NPU))
+    refusal_probes = (
+        ("negative budget", {"virtual_optimizer": -1.0}),
+    )
     description = ("Adam's moments live in host memory mapped into the device's address space (CUDA: mapped pinned "
                    "memory; CPU: host tensors; refused on the NPU), read and written in place by the "
                    "device's Adam; GB: at most that much per rank, the rest stays on the device")

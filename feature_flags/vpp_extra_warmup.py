@@ -2,6 +2,7 @@
 warm-up forwards per stage."""
 
 from mm_adaptor.features import Feature, FeatureConfigError, Flag, Tolerance, register
+from mm_adaptor.verification import BASE_RELEASE, NO_GPU, ON_0_19_2, PP2_VPP, fake_npu_check, same_everywhere
 
 MAIN, COUNT = "--vpp-extra-warmup", "--vpp-extra-warmup-microbatches"
 SCHEDULES = "megatron.core.pipeline_parallel.schedules"
@@ -10,6 +11,12 @@ SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 @register
 class VppExtraWarmup(Feature):
     name = "vpp-extra-warmup"
+    verified_on = {"0.16.1": BASE_RELEASE, "0.19.0": ON_0_19_2}
+    devices = same_everywhere(NO_GPU, fake_npu_check(PP2_VPP))
+    refusal_probes = (
+        ("K alone", {"vpp_extra_warmup_microbatches": 2}),
+        ("no virtual pipeline", {"vpp_extra_warmup": True, "pipeline_model_parallel_size": 2}),
+    )
     description = ("megatron's interleaved 1F1B schedule (a virtual pipeline) runs K more warm-up forwards on every "
                    "stage, so the next forward's input has arrived while the current backward runs; K more "
                    "micro-batches of activations per stage")

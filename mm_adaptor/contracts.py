@@ -30,65 +30,15 @@ ALLOW_MISMATCH_ENV = "MM_ADAPTOR_ALLOW_CONTRACT_MISMATCH"
 # Outside it: one warning, then each feature by its fingerprints.
 SUPPORTED_MEGATRON_CORE = ">=0.16.0,<0.20"
 MEGATRON_CORE = "megatron-core"
-# The megatron-core versions each feature (or compatibility/device patch set, by name) was verified on: its
-# regression checks passed there. A name not listed has the default.
+# The megatron-core versions each name was verified on: its regression checks passed there. A feature declares its
+# own (Feature.verified_on, entered here when it registers); the compatibility and device patch sets, which are no
+# features, are listed below. A name not listed has the default. What was checked on each release:
+# docs/megatron-lm.md#what-was-verified-on-each-release.
 DEFAULT_VERIFIED = ("0.16.1",)
 VERIFIED_ON: dict[str, tuple[str, ...]] = {
-    # 0.17.1 and 0.18.0 (pip 0.18.2 has core_v0.18.0's code in every patched function; pip 0.17.1 differs from
-    # core_v0.17.0 in _copy_main_params_to_model_params, a backported NVFP4 branch): where a feature's functions
-    # differ from 0.16.1's and 0.19.0's there, check passed on the pip release with the mechanism counted: coc bit for
-    # bit in tp2-sp (fp32 N=2, bf16 N=4) and tp2 N=8, ep2-moe x expert TP2 within tolerance; fused-rotary-pos-emb
-    # within tolerance fp32/bf16; swap-attention bit for bit fp32/bf16 (0.18: also HybridModel "*-*-");
-    # recompute-activation-function bit for bit, GPT and HybridModel "*-*-"; reuse-fp32-param bit for bit in tp2 and
-    # dp2-distopt --overlap-param-gather bf16; swap-optimizer dp2-distopt fp32/bf16 and virtual-optimizer tp2 fp32,
-    # dp2-distopt bf16 bit for bit; the broken variants of coc, reuse, swap-attention and recompute fail. Megatron-LM
-    # pretrain_gpt.py from core_v0.18.2 trains on the CPU and the fake NPU (initialize_megatron still asserts CUDA
-    # unless allow_no_cuda, the one thing the wrapper passes).
-    # 0.19.0: WrappedTorchNorm.__new__ gained a return annotation only; the SP/persist tests and the tp2-sp layouts
-    # pass on 0.19.2 (benchmarks/megatron_0_19_trial.md).
     "compat:torch-norm": ("0.16.1", "0.19.0"),
-    # 0.19.0: load_state_dict matches param groups by identifier with None for missing keys and builds state per
-    # optimizer_state_keys; the step fix after it is unchanged; dp2-distopt checkpoint resume passes on 0.19.2.
     "compat:torch-adam-distributed-checkpoint": ("0.16.1", "0.19.0"),
-    # Features: `mm-adaptor check` passed on 0.19.2 in every layout where the feature acts (bit for bit where it is
-    # exact), with the installed functions equal to core_v0.19.0's (benchmarks/megatron_0_19_trial.md).
-    "vpp-extra-warmup": ("0.16.1", "0.19.0"),
-    "recompute-activation-function": ("0.16.1", "0.18.0", "0.19.0"),
-    "fused-swiglu": ("0.16.1", "0.19.0"),
-    "fused-rotary-pos-emb": ("0.16.1", "0.17.1", "0.18.0", "0.19.0"),
-    "swap-attention": ("0.16.1", "0.17.1", "0.18.0", "0.19.0"),
-    # 0.19.0: WrappedTorchNorm.__new__ gained a return annotation only; check --layout all passes on 0.19.2.
-    "fused-rmsnorm": ("0.16.1", "0.19.0"),
-    # 0.19.0 has no GroupedMLP: --moe-grouped-gemm's local-spec SequentialMLP runs its experts as one grouped_matmul
-    # per fc; check passes on 0.19.2 in ep2-moe (fp32, bf16) and tp2-sp, a wrong-wgrad variant fails
-    # (tests/latest/test_fused_gmm_on_latest.py).
-    "fused-gmm": ("0.16.1", "0.19.0"),
-    # 0.19.0: the optimizer functions these wrap gained Lion (init_state_fn, optimizer_state_keys), quantized and
-    # NVFP4 params, Megatron-FSDP branches and GTP metadata copies, none on the bf16/fp32 Adam paths the wrappers
-    # keep; get_megatron_optimizer returns a ChainedOptimizer whose step may skip step_with_ready_grads after
-    # prepare_grads (grad_norm_skip_threshold), so swap-optimizer's main parameters go back to host memory at the
-    # end of prepare_grads. On 0.19.2 check passes bit for bit with the mechanism's bytes (reuse: tp2, dp2-distopt
-    # --overlap-param-gather; swap: dp2-distopt fp32/bf16; virtual: tp2 fp32, dp2-distopt bf16), checkpoints load
-    # both ways, the broken variants fail (tests/latest/test_optimizer_features_on_latest.py).
-    "reuse-fp32-param": ("0.16.1", "0.17.1", "0.18.0", "0.19.0"),
-    "swap-optimizer": ("0.16.1", "0.17.1", "0.19.0"),
-    "virtual-optimizer": ("0.16.1", "0.17.1", "0.19.0"),
-    # 0.19.0: initialize_megatron no longer parses arguments but still asserts CUDA unless allow_no_cuda (the one
-    # thing the wrapper passes); megatron.legacy.fused_kernels is gone, so its skip applies only where it exists.
-    # Megatron-LM's pretrain_gpt.py from core_v0.19.0 trains on the CPU (benchmarks/megatron_0_19_trial.md).
     "device:cpu:megatron-training": ("0.16.1", "0.18.0", "0.19.0"),
-    # 0.19.0: the linear function lost async_grad_allreduce (0.17; tp_group took its position) and gained
-    # gtp_remat_size, as did both linears' forwards (0.19: a GTP-sharded weight, left to megatron; arguments bound by
-    # the installed signature); routed_experts_compute gained the delayed-wgrad hook (0.18) and the zero-copy expert
-    # buffers (0.19), both left to megatron, as are --moe-grouped-gemm experts (0.17+ builds SequentialMLP for them,
-    # --use-fused-gmm's); the all-to-all dispatcher's TP gather/sort and SequentialMLP are unchanged. On 0.19.2:
-    # check bit for bit in tp2-sp (fp32 N=2/4, bf16 N=4), tp2 (N=8 uneven), pp2 x TP2+SP, TP2+SP x DP2 distopt+GAF;
-    # ep2-moe x expert TP2 within tolerance with the expert chunks counted; the broken variant fails
-    # (tests/latest/test_coc_on_latest.py).
-    "coc": ("0.16.1", "0.17.1", "0.18.0", "0.19.0"),
-    # 0.19.0: the same initialize_megatron wrapper; _compile_dependencies is no longer replaced (it builds only the
-    # dataset index helpers there, and the legacy kernel skip covers core_v0.16). pretrain_gpt.py from core_v0.19.0
-    # trains on the FAKE npu (benchmarks/RESULTS.md); only Ascend hardware can show more.
     "device:npu:megatron-training": ("0.16.1", "0.18.0", "0.19.0"),
 }
 # Targets whose contract is their parameters alone: Megatron-LM entry points the adaptor only wraps to call through

@@ -10,9 +10,9 @@ written by hand. What goes in them comes from the code, so the documents cannot 
   the link to its page);
 - docs/features/<name>.md, block `flags`: every flag with its type, default and help, the tolerance and its reason,
   the features it requires or conflicts with, and the refusals: each message is what the feature's own validate()
-  raises for a probe configuration listed in REFUSAL_PROBES (a probe that no longer refuses is an error here);
-- docs/features/<name>.md, block `devices`: the state and evidence of each device from mm_adaptor/verification.py,
-  and the megatron-core releases mm_adaptor/contracts.py records the feature as verified on;
+  raises for a probe configuration its declaration lists (refusal_probes; one that no longer refuses is an error);
+- docs/features/<name>.md, block `devices`: the state and evidence of each device and the megatron-core releases
+  the feature is verified on, from its declaration (devices, verified_on);
 - docs/devices.md, block `devices-matrix`: every feature's state on every device, and each backend's record.
 
 The features documented are the built-in ones (modules under mm_adaptor.feature_flags); a feature added there
@@ -33,62 +33,8 @@ BLOCK = re.compile(r"<!-- generated:(?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /gen
 SUMMARY = re.compile(r"^\*\*What it buys:\*\* (?P<text>.+)$", re.M)
 ROOT = Path(__file__).resolve().parents[1]
 
-# Configurations each feature must refuse, as (what the probe shows, the options it sets). The refusal text in the
-# docs is the feature's own message for them, so a reworded or removed refusal shows up as a stale block.
+# The options every refusal probe (Feature.refusal_probes) starts from.
 _LOCAL = {"transformer_impl": "local"}
-REFUSAL_PROBES: dict[str, list[tuple[str, dict]]] = {
-    "coc": [
-        ("tuning flag alone", {"coc_parallel_num": 2}),
-        ("no tensor parallelism", {"use_coc": True, "tensor_model_parallel_size": 1}),
-        ("with --tp-comm-overlap", {"use_coc": True, "tensor_model_parallel_size": 2, "tp_comm_overlap": True}),
-    ],
-    "fused-gmm": [
-        ("probabilities on the input with top-k > 1",
-         {"use_fused_gmm": True, "moe_grouped_gemm": True, "num_experts": 4, "disable_bias_linear": True,
-          "moe_apply_probs_on_input": True, "moe_router_topk": 2}),
-    ],
-    "fused-rmsnorm": [
-        ("memory-efficient layer norm",
-         {"use_fused_rmsnorm": True, "normalization": "RMSNorm", "memory_efficient_layer_norm": True}),
-    ],
-    "recompute-activation-function": [
-        ("N without the main flag", {"recompute_activation_function_num_layers": 1}),
-        ("negative N", {"recompute_activation_function": True, "recompute_activation_function_num_layers": -1}),
-        ("uniform full recompute", {"recompute_activation_function": True, "recompute_granularity": "full",
-                                    "recompute_method": "uniform", "recompute_num_layers": 1}),
-        ("moe_act recompute too", {"recompute_activation_function": True, "recompute_granularity": "selective",
-                                   "recompute_modules": ["moe_act"]}),
-    ],
-    "reuse-fp32-param": [
-        ("without --bf16", {"reuse_fp32_param": True}),
-        ("with --fp16", {"reuse_fp32_param": True, "fp16": True}),
-        ("with --swap-optimizer", {"reuse_fp32_param": True, "bf16": True, "swap_optimizer": True,
-                                   "use_distributed_optimizer": True}),
-        ("with --use-precision-aware-optimizer", {"reuse_fp32_param": True, "bf16": True,
-                                                  "use_precision_aware_optimizer": True}),
-    ],
-    "swap-attention": [
-        ("tuning flag alone", {"swap_min_bytes": 0}),
-        ("unknown module", {"swap_attention": True, "swap_modules": "attention"}),
-        ("negative distance", {"swap_attention": True, "swap_prefetch_distance": -1}),
-        ("uniform full recompute", {"swap_attention": True, "recompute_granularity": "full",
-                                    "recompute_method": "uniform"}),
-        ("with megatron's --cpu-offloading", {"swap_attention": True, "cpu_offloading": True}),
-        ("with a CUDA graph", {"swap_attention": True, "enable_cuda_graph": True}),
-    ],
-    "swap-optimizer": [
-        ("without the distributed optimizer", {"swap_optimizer": True}),
-        ("with --virtual-optimizer", {"swap_optimizer": True, "use_distributed_optimizer": True,
-                                      "virtual_optimizer": math.inf}),
-    ],
-    "virtual-optimizer": [
-        ("negative budget", {"virtual_optimizer": -1.0}),
-    ],
-    "vpp-extra-warmup": [
-        ("K alone", {"vpp_extra_warmup_microbatches": 2}),
-        ("no virtual pipeline", {"vpp_extra_warmup": True, "pipeline_model_parallel_size": 2}),
-    ],
-}
 
 
 def builtin_features():
@@ -174,7 +120,7 @@ def refusals(feature) -> list[tuple[str, str]]:
     from mm_adaptor.features import FeatureConfigError
 
     found = []
-    for label, settings in REFUSAL_PROBES.get(feature.name, []):
+    for label, settings in feature.refusal_probes:
         options = _probe_options(settings)
         try:
             feature.validate(options)
@@ -182,7 +128,7 @@ def refusals(feature) -> list[tuple[str, str]]:
             found.append((label, str(error)))
             continue
         raise SystemExit(f"docs_gen: {feature.name} no longer refuses the probe {label!r} ({settings}); "
-                         f"update REFUSAL_PROBES in mm_adaptor/docs_gen.py")
+                         f"update its refusal_probes in feature_flags/")
     return found
 
 
@@ -212,9 +158,7 @@ def flags_block(feature) -> str:
 
 
 def megatron_versions(feature) -> str:
-    from mm_adaptor import contracts
-
-    return ", ".join(contracts.verified_versions(feature.name))
+    return ", ".join(feature.verified_on)
 
 
 def devices_block(feature) -> str:
@@ -225,9 +169,11 @@ def devices_block(feature) -> str:
         record = verification.record(feature.name, device)
         lines.append(f"| {device} | {record.state} | {_cell(record.evidence)} |")
     lines.append("")
-    lines.append(f"Verified on megatron-core {megatron_versions(feature)} (`mm_adaptor/contracts.py`; "
-                 f"on another release the feature serves only where the functions it patches have the code of one "
-                 f"of these).")
+    lines.append(f"Verified on megatron-core {megatron_versions(feature)} (on another release the feature serves "
+                 f"only where the functions it patches have the code of one of these):")
+    lines.append("")
+    for version, reason in feature.verified_on.items():
+        lines.append(f"- {version}: {reason}")
     return "\n".join(lines) + "\n"
 
 

@@ -10,6 +10,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from mm_adaptor import contracts
 from mm_adaptor.errors import ConfigurationError
 from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, PatchSet
 
@@ -113,6 +114,14 @@ class Feature:
     # Megatron switches that unpatched Megatron cannot run here and that only this feature makes work: the
     # harness's baseline runs without them (e.g. SequentialMLP instead of GroupedMLP for --moe-grouped-gemm).
     unpatched_baseline_omits: tuple[str, ...] = ()
+    # The feature's facts, read by contracts, verification, report and the docs:
+    # the megatron-core versions its regression checks passed on, each with the one-line reason it is trusted there
+    # (a patch serves where the installed function's code is that of one of these; docs/megatron-lm.md has detail);
+    verified_on: dict[str, str] = {"0.16.1": "check passes in every layout the feature acts in (the suite's base)"}
+    # what has run on each device, verification.Record per device name (a device left out: no run recorded);
+    devices: dict = {}
+    # configurations it refuses, shown with its own message on its docs page: (what the probe shows, the options).
+    refusal_probes: tuple[tuple[str, dict], ...] = ()
 
     @property
     def main_flag(self) -> Flag:
@@ -176,11 +185,13 @@ def register(cls: type[Feature]) -> type[Feature]:
         if flag.option in taken:
             raise TypeError(f"flag {flag.option} of {cls.name!r} already belongs to {taken[flag.option]!r}")
     _REGISTRY[cls.name] = cls()
+    contracts.VERIFIED_ON[cls.name] = tuple(cls.verified_on)
     return cls
 
 
 def unregister(name: str) -> None:
     _REGISTRY.pop(name, None)
+    contracts.VERIFIED_ON.pop(name, None)
 
 
 def _discover() -> None:

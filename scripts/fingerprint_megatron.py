@@ -6,8 +6,8 @@ patches, in each tagged Megatron-LM release, read from the tags' source text (no
 The targets come from the registry (mm_adaptor.versions.registered_megatron_patches: every feature's patch sets
 with its flag on, the device backends', the compatibility fixes, Megatron-LM's hooks), so run it in the project's
 environment. The first tag is the base the other versions' changed lines are measured against. Adding a
-megatron-core release = add its tag here, regenerate, verify the features on it, record that in
-mm_adaptor.contracts.VERIFIED_ON.
+megatron-core release = add its tag here, regenerate, verify the features on it, record that in each feature's
+verified_on (mm_adaptor.contracts.VERIFIED_ON for the compatibility and device patch sets).
 """
 
 from __future__ import annotations

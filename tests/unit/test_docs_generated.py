@@ -61,26 +61,24 @@ def test_a_flag_added_to_a_feature_without_regenerating_fails_the_check(monkeypa
 
 
 def test_a_changed_verification_record_fails_the_check(monkeypatch):
-    from mm_adaptor import verification
-
-    records = dict(verification.FEATURES["coc"])
+    coc = features.get("coc")
+    records = dict(coc.devices)
     records["cuda"] = dataclasses.replace(records["cuda"], evidence="a run that is only in this test")
-    monkeypatch.setitem(verification.FEATURES, "coc", records)
+    monkeypatch.setattr(coc, "devices", records)
     text = "\n".join(docs_gen.stale())
     assert "docs/features/coc.md differs from the registry" in text
 
 
 def test_a_megatron_release_verified_without_regenerating_fails_the_check(monkeypatch):
-    from mm_adaptor import contracts
-
-    monkeypatch.setitem(contracts.VERIFIED_ON, "optimize-vocab-parallel-ce", ("0.16.1", "9.9.9"))
+    feature = features.get("optimize-vocab-parallel-ce")
+    monkeypatch.setattr(feature, "verified_on", {**feature.verified_on, "9.9.9": "a run that is only in this test"})
     text = "\n".join(docs_gen.stale())
     assert "docs/features/optimize-vocab-parallel-ce.md differs from the registry" in text
     assert "docs/devices.md differs from the registry" in text
 
 
 def test_a_probe_that_no_longer_refuses_is_an_error(monkeypatch):
-    monkeypatch.setitem(docs_gen.REFUSAL_PROBES, "swap-attention", [("accepted", {"swap_attention": True})])
+    monkeypatch.setattr(features.get("swap-attention"), "refusal_probes", (("accepted", {"swap_attention": True}),))
     with pytest.raises(SystemExit, match="no longer refuses"):
         docs_gen.refusals(features.get("swap-attention"))
 
