@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
 import pkgutil
 import warnings
@@ -194,16 +195,25 @@ def unregister(name: str) -> None:
     contracts.VERIFIED_ON.pop(name, None)
 
 
+# Packages (or modules) of features, named by their distributions' entry points in this group: the built-in ones are
+# pyproject.toml's; a plugin distribution adds its own. Each package's modules not starting with "_" are imported.
+ENTRY_POINT_GROUP = "mm_adaptor.features"
+
+
 def _discover() -> None:
     global _discovered
     if _discovered:
         return
     _discovered = True
-    import mm_adaptor.feature_flags as package
-
-    for info in pkgutil.iter_modules(package.__path__):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"{package.__name__}.{info.name}")
+    names = [entry.value for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)]
+    if BUILT_IN_PACKAGE not in names:
+        raise RuntimeError(f"mm_adaptor's features register through its package metadata (entry points "
+                           f"{ENTRY_POINT_GROUP!r}), which this environment lacks: install it (pip install -e .)")
+    for name in names:
+        package = importlib.import_module(name)
+        for info in pkgutil.iter_modules(getattr(package, "__path__", [])):
+            if not info.name.startswith("_"):
+                importlib.import_module(f"{package.__name__}.{info.name}")
     for module in filter(None, os.environ.get(EXTRA_FEATURES_ENV, "").split(",")):
         importlib.import_module(module.strip())
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -14,8 +13,8 @@ import traceback
 from queue import Empty
 from typing import Any, Callable
 
-from mm_adaptor.rank_process import (PRELOAD_MODULE, die_with_launcher, end_rank, is_process_helper, rank_context,
-                                     stdio_for)
+from mm_adaptor.rank_process import (PRELOAD_MODULE, die_with_launcher, end_rank, free_port, is_process_helper,
+                                     rank_context, stdio_for)
 
 __all__ = ["LaunchError", "Interrupted", "launch", "free_port", "under_launcher", "report_progress",
            "report_interruptions", "is_process_helper", "rank_context"]
@@ -51,12 +50,6 @@ class Interrupted(LaunchError):
     @property
     def exit_status(self) -> int:
         return 128 + self.signum
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def under_launcher() -> bool:

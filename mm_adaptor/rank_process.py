@@ -11,8 +11,15 @@ import multiprocessing as mp
 import os
 import select
 import signal
+import socket
 import sys
 import threading
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
 
 # ---- inside a rank: die with the launcher, taking everything the rank started along ----
 

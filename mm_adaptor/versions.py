@@ -44,7 +44,7 @@ def _device_and_hook_patch_sets(errors: list[str]) -> list:
     from mm_adaptor.devices.cpu import CpuBackend
     from mm_adaptor.devices.npu import NpuBackend
     from mm_adaptor.devices.redirect import rng_state_patches
-    from mm_adaptor.patches import megatron_compat
+    from mm_adaptor.devices import megatron_compat
     from mm_adaptor.patching import PatchSet
 
     sets = [*megatron_compat.every_device_patch_sets(), megatron_lm._arguments_patch_set(),

@@ -30,7 +30,7 @@ def single_process_group():
         yield
         return
     from mm_adaptor import devices
-    from mm_adaptor.launcher import free_port
+    from mm_adaptor.rank_process import free_port
 
     cpu = not torch.cuda.is_available()
     if cpu:

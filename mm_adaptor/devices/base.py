@@ -26,7 +26,7 @@ class NoAcceleratorError(ConfigurationError, RuntimeError):
 
 def compat_patch_sets() -> list[PatchSet]:
     """Fixes megatron-core needs on every device when Transformer Engine / Apex are absent."""
-    from mm_adaptor.patches import megatron_compat
+    from mm_adaptor.devices import megatron_compat
 
     return megatron_compat.every_device_patch_sets()
 

@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mm_adaptor.train.model import unwrap
+from mm_adaptor.wrapped import unwrap
 
 
 @dataclass

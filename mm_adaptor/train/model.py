@@ -8,13 +8,6 @@ import argparse
 import functools
 
 
-def unwrap(chunk):
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def ffn_hidden_size(args: argparse.Namespace) -> int:
     """--ffn-hidden-size, or the driver's default: 4 x hidden, or with --swiglu 8/3 x hidden
     rounded up to a multiple of 64."""

@@ -1,4 +1,5 @@
-"""The package's shape: no import circle between its modules, no source file over the size limit.
+"""The package's shape: no import circle between its modules, imports only in the allowed directions between its
+parts, no source file over the size limit.
 
 The import graph is read from the source (ast), not from sys.modules, so imports inside functions count
 too: a circle hidden in a function still ties two modules together, it only fails later.
@@ -166,7 +167,65 @@ def oversized_files(roots=None, limit: int = MAX_LINES, base: Path = REPO) -> li
     return found
 
 
+# The machinery every part builds on imports none of the parts: features, patches, device backends, the driver,
+# the harness, the models, data and conversion, the commands. Folder-level rules say the same for the parts.
+CORE = ("mm_adaptor.features", "mm_adaptor.patching", "mm_adaptor.contracts", "mm_adaptor.fingerprints",
+        "mm_adaptor.megatron_fingerprints", "mm_adaptor.errors", "mm_adaptor.rank_process",
+        "mm_adaptor.wrapped")
+PARTS = ("mm_adaptor.feature_flags", "mm_adaptor.patches", "mm_adaptor.devices", "mm_adaptor.ops",
+         "mm_adaptor.train", "mm_adaptor.harness", "mm_adaptor.models", "mm_adaptor.data", "mm_adaptor.convert")
+COMMANDS = ("mm_adaptor.cli", "mm_adaptor.cli_check", "mm_adaptor.cli_report", "mm_adaptor.launcher",
+            "mm_adaptor.generate")
+# part -> the parts it must never import (it may import the core, and what is not listed)
+NEVER = {
+    "mm_adaptor.patches": ("mm_adaptor.feature_flags", "mm_adaptor.train", "mm_adaptor.harness",
+                           "mm_adaptor.convert", "mm_adaptor.data", "mm_adaptor.models", *COMMANDS),
+    "mm_adaptor.devices": ("mm_adaptor.feature_flags", "mm_adaptor.patches", "mm_adaptor.train",
+                           "mm_adaptor.harness", "mm_adaptor.convert", *COMMANDS),
+    "mm_adaptor.ops": ("mm_adaptor.feature_flags", "mm_adaptor.patches", "mm_adaptor.train", "mm_adaptor.harness",
+                       *COMMANDS),
+    "mm_adaptor.feature_flags": ("mm_adaptor.train", "mm_adaptor.harness", *COMMANDS),
+    "mm_adaptor.convert": ("mm_adaptor.train", "mm_adaptor.harness", *COMMANDS),
+    "mm_adaptor.data": ("mm_adaptor.train", "mm_adaptor.harness", *COMMANDS),
+    "mm_adaptor.train": ("mm_adaptor.harness",),
+}
+
+
+def _in(module: str, area: str) -> bool:
+    return module == area or module.startswith(area + ".")
+
+
+def wrong_directions(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if module in CORE and target not in CORE:
+                found.append(f"{module} -> {target} (the core imports only the core)")
+            for part, never in NEVER.items():
+                if _in(module, part) and any(_in(target, other) for other in never):
+                    found.append(f"{module} -> {target} ({part} never imports {', '.join(never)})")
+    return found
+
+
 # ---------------------------------------------------------------------------------------------------------------
+
+def test_imports_go_one_way_between_the_parts():
+    graph = import_graph()
+    assert all(any(_in(m, part) for m in graph) for part in PARTS) and all(m in graph for m in CORE + COMMANDS)
+    found = wrong_directions(graph)
+    assert not found, "imports against the direction (imports inside functions count):\n" + "\n".join(found)
+
+
+def test_an_upward_import_inside_a_function_is_named(tmp_path):
+    graph = {"mm_adaptor.features": {"mm_adaptor.feature_flags.coc"},
+             "mm_adaptor.devices.base": {"mm_adaptor.patches.x", "mm_adaptor.errors"},
+             "mm_adaptor.train.loop": {"mm_adaptor.devices.base"}}
+    assert wrong_directions(graph) == [
+        "mm_adaptor.devices.base -> mm_adaptor.patches.x (mm_adaptor.devices never imports "
+        + ", ".join(NEVER["mm_adaptor.devices"]) + ")",
+        "mm_adaptor.features -> mm_adaptor.feature_flags.coc (the core imports only the core)"]
+
+
 
 def test_the_package_has_no_import_circle():
     graph = import_graph()

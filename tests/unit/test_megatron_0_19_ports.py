@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mm_adaptor import contracts
-from mm_adaptor.patches import megatron_compat
+from mm_adaptor.devices import megatron_compat
 
 
 def installed(monkeypatch, version):

@@ -6,7 +6,7 @@ import torch
 
 from mm_adaptor import devices
 from mm_adaptor.patching import PatchContractError
-from mm_adaptor.patches import megatron_compat
+from mm_adaptor.devices import megatron_compat
 
 
 @pytest.fixture

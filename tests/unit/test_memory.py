@@ -94,7 +94,7 @@ def build_tiny_gpt(argv):
                                   ["--bf16", "--use-distributed-optimizer"]],
                          ids=["fp32", "fp32-distopt", "bf16", "bf16-distopt"])
 def test_megatron_ddp_tiny_gpt(single_rank_megatron, argv):
-    from mm_adaptor.train.model import unwrap
+    from mm_adaptor.wrapped import unwrap
 
     model, optimizer = build_tiny_gpt(argv)
     h, layers, vocab, seq = 32, 2, 128, 16
