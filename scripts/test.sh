@@ -17,7 +17,15 @@ BASE_LEG=(tests/unit tests/distributed/test_every_feature_on_installed_megatron.
 
 on_base() {
   bash scripts/setup.sh >/dev/null
-  .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+  MM_ADAPTOR_TEST_LEG=0.16.1 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+}
+
+# The time guard (scripts/time_budget.py): the whole command's seconds and each leg's seconds per test file.
+started=$(date +%s)
+export MM_ADAPTOR_TEST_TIMES=${MM_ADAPTOR_TEST_TIMES:-$(mktemp --suffix=.json)}
+rm -f "$MM_ADAPTOR_TEST_TIMES"
+time_guard() {
+  python3 scripts/time_budget.py "$(( $(date +%s) - started ))" "$MM_ADAPTOR_TEST_TIMES"
 }
 
 latest=0
@@ -35,12 +43,14 @@ if [ "$selected" = no ]; then
 fi
 echo "== the newest supported megatron-core: the whole suite =="
 status=0
-bash scripts/test_latest_megatron.sh "$@" || status=$?
+MM_ADAPTOR_TEST_LEG=newest bash scripts/test_latest_megatron.sh "$@" || status=$?
 if [ "$selected" = yes ]; then
   exit "$status"
 fi
 echo "== megatron-core 0.16.1: the unit tests and every feature's check in one layout =="
 base=0
 on_base "${BASE_LEG[@]}" "$@" || base=$?
+guard=0
+time_guard || guard=$?
 # pytest's 5 (nothing collected) from either leg must stay visible to .ci/run
-exit $(( status != 0 ? status : base ))
+exit $(( status != 0 ? status : base != 0 ? base : guard ))

@@ -1,6 +1,8 @@
+import json
 import os
 import shutil
 import tempfile
+from collections import defaultdict
 
 import pytest
 
@@ -13,9 +15,31 @@ if _own_baseline_cache:
     os.environ["MM_ADAPTOR_BASELINE_CACHE"] = tempfile.mkdtemp(prefix="mm-adaptor-baselines-")
 
 
+# The test command's time guard (scripts/time_budget.py) reads each leg's seconds per test file from here.
+# Taken out of the environment, so that a pytest a test starts records nothing over this session's record.
+_times_path = os.environ.pop("MM_ADAPTOR_TEST_TIMES", None)
+_seconds_per_file: dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    _seconds_per_file[report.nodeid.split("::", 1)[0]] += report.duration
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _own_baseline_cache:
         shutil.rmtree(os.environ["MM_ADAPTOR_BASELINE_CACHE"], ignore_errors=True)
+    path = _times_path
+    if path and _seconds_per_file:
+        try:
+            with open(path) as f:
+                recorded = json.load(f)
+        except (OSError, ValueError):
+            recorded = {}
+        leg = os.environ.get("MM_ADAPTOR_TEST_LEG", "suite")
+        legs = recorded.setdefault("legs", {})
+        legs[leg] = {name: round(seconds, 1) for name, seconds in sorted(_seconds_per_file.items())}
+        with open(path, "w") as f:
+            json.dump(recorded, f, indent=1, sort_keys=True)
 
 
 @pytest.fixture

@@ -1,0 +1,50 @@
+"""The test command's time guard: `.ci/run` has 45 of CI's 90 minutes, so the suite's growth is seen before it hits
+the hard limit. Given the command's measured seconds and the per-file times its legs recorded (tests/conftest.py),
+prints one line with the total and the slowest files; over the budget on CI it exits 1 with a line naming the files
+that grew most since the recorded breakdown (tests/time_budget.json).
+
+    python scripts/time_budget.py SECONDS TIMES.json [--record]   (--record: write TIMES as the new breakdown)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+BUDGET_S = 45 * 60
+RECORDED = Path(__file__).resolve().parents[1] / "tests" / "time_budget.json"
+
+
+def per_file(times: dict) -> dict[str, float]:
+    """'leg: file' -> seconds, over every leg."""
+    return {f"{leg}: {name}": seconds
+            for leg, files in times.get("legs", {}).items() for name, seconds in files.items()}
+
+
+def grown(now: dict[str, float], before: dict[str, float], count: int = 5) -> list[str]:
+    deltas = sorted(((seconds - before.get(name, 0.0), name) for name, seconds in now.items()), reverse=True)
+    return [f"{name} (+{delta:.0f} s{'' if name in before else ', new'})"
+            for delta, name in deltas[:count] if delta > 0]
+
+
+def main(argv: list[str]) -> int:
+    seconds, times_path = float(argv[0]), Path(argv[1])
+    now = per_file(json.loads(times_path.read_text())) if times_path.exists() else {}
+    if "--record" in argv:
+        RECORDED.write_text(json.dumps({"seconds": round(seconds), **json.loads(times_path.read_text())}, indent=1,
+                                       sort_keys=True) + "\n")
+    slowest = ", ".join(f"{name} {s:.0f} s" for s, name in sorted(((s, n) for n, s in now.items()), reverse=True)[:3])
+    print(f"time guard: the test command took {seconds / 60:.1f} min of its {BUDGET_S // 60}-minute budget; "
+          f"slowest files: {slowest or 'none recorded'}")
+    if seconds <= BUDGET_S:
+        return 0
+    before = per_file(json.loads(RECORDED.read_text())) if RECORDED.exists() else {}
+    print(f"time guard: over budget by {(seconds - BUDGET_S) / 60:.1f} min; grew most since tests/time_budget.json: "
+          f"{', '.join(grown(now, before)) or 'nothing recorded grew (the machine is slower?)'}")
+    return 1 if os.environ.get("CI") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
