@@ -40,7 +40,7 @@ def fingerprint_main(argv: list[str]) -> int:
                                         "module.Class.method), for patch authors.")
     parser.add_argument("targets", nargs="+", metavar="DOTTED.TARGET")
     args = parser.parse_args(argv)
-    from mm_adaptor.patching import PatchError, fingerprint, resolve
+    from mm_adaptor.patching import _MISSING, Patch, PatchError, fingerprint, resolve
 
     lines = []
     for target in args.targets:  # all resolved before anything is printed
@@ -50,11 +50,8 @@ def fingerprint_main(argv: list[str]) -> int:
             parser.fail(str(exc))
         except Exception as exc:  # the target's module raised while importing
             parser.fail(f"cannot resolve {target!r}: importing it raised {type(exc).__name__}: {exc}")
-        if isinstance(owner, type) and name in owner.__dict__:
-            original = owner.__dict__[name]
-        elif hasattr(owner, name):
-            original = getattr(owner, name)
-        else:
+        original, _ = Patch._raw_attribute(owner, name)  # what a contract on this target fingerprints
+        if original is _MISSING:
             parser.fail(f"cannot resolve {target!r}: {getattr(owner, '__name__', owner)} has no attribute {name!r}")
         lines.append(f"{target} {fingerprint(original)}")
     print("\n".join(lines))

@@ -567,3 +567,28 @@ def test_megatron_module_imported_while_fused_rope_is_on_keeps_nothing_fused_aft
                for attr, value in vars(module).items()
                if getattr(value, "__name__", None) == "apply_rotary_pos_emb" and value is not original]
     assert not holders, f"still patched after disable: {holders}"
+
+
+def _build(self, kind):
+    return kind
+
+
+class _FingerprintBase:
+    # inherited, a descriptor: getattr on the subclass decodes it into functools' own unbound method
+    build = __import__("functools").partialmethod(_build, "tiny")
+
+
+class _FingerprintChild(_FingerprintBase):
+    pass
+
+
+def test_the_fingerprint_command_reads_the_target_as_a_contract_does(capsys):
+    """`mm-adaptor fingerprint` resolves its target through Patch._raw_attribute, as a contract's check does."""
+    from mm_adaptor.cli import fingerprint_main
+    from mm_adaptor.patching import Patch
+
+    raw, _ = Patch._raw_attribute(_FingerprintChild, "build")
+    assert raw is _FingerprintBase.__dict__["build"]
+    assert fingerprint(_FingerprintChild.build) != fingerprint(raw), "the case no longer tells them apart"
+    assert fingerprint_main([f"{__name__}._FingerprintChild.build"]) == 0
+    assert capsys.readouterr().out.split() == [f"{__name__}._FingerprintChild.build", fingerprint(raw)]
