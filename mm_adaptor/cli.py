@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from mm_adaptor.arguments_errors import ArgumentParser, did_you_mean
+from mm_adaptor.one_line_parser import ArgumentParser, did_you_mean
 from mm_adaptor.cli_check import calibrate_main, check_main
 from mm_adaptor.cli_report import report_main
 
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     command, rest = argv[0], argv[1:]
     if command in COMMANDS:
         from mm_adaptor.launcher import Interrupted, report_interruptions
-        from mm_adaptor.output import PRINTER, own_warnings_as_the_ranks
+        from mm_adaptor.rank_warnings import PRINTER, own_warnings_as_the_ranks
 
         report_interruptions()
         try:

@@ -8,7 +8,7 @@ import math
 import os
 import sys
 
-from mm_adaptor.arguments_errors import ArgumentParser, did_you_mean
+from mm_adaptor.one_line_parser import ArgumentParser, did_you_mean
 
 
 def _print_errors(prog: str, error: object) -> int:

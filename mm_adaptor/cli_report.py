@@ -7,8 +7,8 @@ import os
 import platform
 import textwrap
 
-from mm_adaptor.arguments_errors import ArgumentParser
-from mm_adaptor.output import ShowEveryWarning
+from mm_adaptor.one_line_parser import ArgumentParser
+from mm_adaptor.rank_warnings import ShowEveryWarning
 
 
 def report_main(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
-from mm_adaptor.arguments_errors import ArgumentParser
+from mm_adaptor.one_line_parser import ArgumentParser
 
 
 def build_parser() -> ArgumentParser:
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     if args.image and not Path(args.image).is_file():
         parser.fail(f"--image {args.image}: no such file")
     from mm_adaptor.data import DataError, load_tokenizer
-    from mm_adaptor.output import verbose
+    from mm_adaptor.rank_warnings import verbose
 
     if not verbose():  # library notices (no Transformer Engine/Apex, deprecations) are noise here
         warnings.simplefilter("ignore")

@@ -59,13 +59,13 @@ def under_launcher() -> bool:
 
 def _forward_warnings_to(queue) -> None:
     """A rank's warnings (Python's and logged ones) go to the launcher, which prints each distinct one once."""
-    from mm_adaptor.output import forward_rank_output
+    from mm_adaptor.rank_warnings import forward_rank_output
 
     forward_rank_output(queue.put)
 
 
 def _print_new_warnings(queue) -> None:
-    from mm_adaptor.output import PRINTER
+    from mm_adaptor.rank_warnings import PRINTER
 
     while True:
         try:

@@ -14,7 +14,7 @@ import tempfile
 
 from mm_adaptor import features
 from mm_adaptor.launcher import Interrupted, LaunchError, launch, under_launcher
-from mm_adaptor.output import print_every_ranks_warnings_once
+from mm_adaptor.rank_warnings import print_every_ranks_warnings_once
 from mm_adaptor.train import vlm
 from mm_adaptor.train.arguments import LayoutError, build_parser, check_paths, finalize_args, parse_args
 from mm_adaptor.train.checkpoint_files import latest_checkpoint

@@ -4,13 +4,13 @@ import io
 import logging
 import warnings
 
-from mm_adaptor import output
+from mm_adaptor import rank_warnings
 
 
 def test_each_warning_once_and_harmless_notices_summarised(monkeypatch):
-    monkeypatch.delenv(output.VERBOSE_ENV, raising=False)
+    monkeypatch.delenv(rank_warnings.VERBOSE_ENV, raising=False)
     stream = io.StringIO()
-    printer = output.WarningPrinter(stream)
+    printer = rank_warnings.WarningPrinter(stream)
     for _ in range(3):
         printer.add("UserWarning: Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
         printer.add("UserWarning: Apex is not installed. Falling back to Torch Norm")
@@ -23,9 +23,9 @@ def test_each_warning_once_and_harmless_notices_summarised(monkeypatch):
 
 
 def test_verbose_shows_everything(monkeypatch):
-    monkeypatch.setenv(output.VERBOSE_ENV, "1")
+    monkeypatch.setenv(rank_warnings.VERBOSE_ENV, "1")
     stream = io.StringIO()
-    printer = output.WarningPrinter(stream)
+    printer = rank_warnings.WarningPrinter(stream)
     printer.add("UserWarning: Apex is not installed. Falling back to Torch Norm")
     printer.close()
     assert stream.getvalue() == "warning: UserWarning: Apex is not installed. Falling back to Torch Norm\n"
@@ -37,7 +37,7 @@ def test_a_rank_forwards_python_and_logged_warnings(monkeypatch):
     root = logging.getLogger()
     handlers = list(root.handlers)
     try:
-        output.forward_rank_output(sent.append)
+        rank_warnings.forward_rank_output(sent.append)
         warnings.warn("careful", UserWarning, stacklevel=1)
         rng_logger = logging.getLogger("megatron.core.tensor_parallel.random")
         rng_logger.warning("CPU RNG state changed within GPU RNG context")
@@ -59,15 +59,15 @@ class _SharedStore:
 
 
 def _printer(monkeypatch):
-    monkeypatch.delenv(output.VERBOSE_ENV, raising=False)
+    monkeypatch.delenv(rank_warnings.VERBOSE_ENV, raising=False)
     stream = io.StringIO()
-    return output.WarningPrinter(stream), stream
+    return rank_warnings.WarningPrinter(stream), stream
 
 
 def test_each_ranks_warnings_reach_the_user_once_through_the_shared_store(monkeypatch):
     printer, stream = _printer(monkeypatch)
     store = _SharedStore()
-    ranks = [output.RankWarnings(rank, store, printer) for rank in range(3)]
+    ranks = [rank_warnings.RankWarnings(rank, store, printer) for rank in range(3)]
     for rank, warned in enumerate(ranks):
         for _ in range(2):
             warned.add("UserWarning: said by every rank")
@@ -86,7 +86,7 @@ def test_each_ranks_warnings_reach_the_user_once_through_the_shared_store(monkey
 
 def test_without_a_store_another_rank_prints_its_own_warnings(monkeypatch):
     printer, stream = _printer(monkeypatch)
-    warned = output.RankWarnings(1, None, printer)
+    warned = rank_warnings.RankWarnings(1, None, printer)
     warned.add("UserWarning: careful")
     warned.add("UserWarning: careful")
     assert stream.getvalue() == "warning: rank 1: UserWarning: careful\n"
@@ -94,10 +94,10 @@ def test_without_a_store_another_rank_prints_its_own_warnings(monkeypatch):
 
 TORCHRUN_SCRIPT = """
 import os, warnings
-from mm_adaptor import output
+from mm_adaptor import rank_warnings
 rank = int(os.environ["RANK"])
 warnings.simplefilter("always")
-output.print_every_ranks_warnings_once(rank)
+rank_warnings.print_every_ranks_warnings_once(rank)
 warnings.warn("said by every rank")
 warnings.warn(f"said by rank {rank} only")
 warnings.warn("said by every rank")
