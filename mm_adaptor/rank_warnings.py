@@ -95,8 +95,16 @@ class _ForwardRecords(logging.Handler):
         self.send(f"{record.levelname.title()}: {record.getMessage()}")
 
 
+_undo_command_forwarding = None  # set while a command's own warnings go to PRINTER (own_warnings_as_the_ranks)
+
+
 def forward_rank_output(send) -> None:
-    """In a rank: its Python warnings and logged warnings go to `send` (the launcher prints them once)."""
+    """In a rank: its Python warnings and logged warnings go to `send` (the launcher prints them once). A command
+    that is itself a rank (under torchrun) hands its own forwarding over, so nothing is printed twice."""
+    global _undo_command_forwarding
+    if _undo_command_forwarding is not None:
+        _undo_command_forwarding()
+        _undo_command_forwarding = None
     _forward(send)
 
 
@@ -124,11 +132,14 @@ def _forward(send):
 def own_warnings_as_the_ranks():
     """A command's own warnings (megatron's import-time notices when `report` imports it) are printed the way its
     ranks' are: each distinct one once, the known-harmless ones counted in PRINTER's closing line."""
-    undo = _forward(PRINTER.add)
+    global _undo_command_forwarding
+    _undo_command_forwarding = _forward(PRINTER.add)
     try:
         yield
     finally:
-        undo()
+        if _undo_command_forwarding is not None:
+            _undo_command_forwarding()
+            _undo_command_forwarding = None
 
 
 TORCH_CPP_EXTENSION_LOGGER = "torch.utils.cpp_extension"

@@ -121,3 +121,22 @@ def test_under_torchrun_every_ranks_distinct_warnings_are_printed_once(tmp_path)
                              "warning: rank 1: UserWarning: said by rank 1 only"] or sorted(lines) == [
         "warning: UserWarning: said by rank 0 only", "warning: rank 1: UserWarning: said by every rank",
         "warning: rank 1: UserWarning: said by rank 1 only"], done.stderr
+
+
+def test_a_command_that_is_a_rank_forwards_each_warning_once(monkeypatch):
+    """Under torchrun the command's own forwarding hands over to the rank's: a logged warning reaches one sender."""
+    import logging
+
+    monkeypatch.delenv(rank_warnings.VERBOSE_ENV, raising=False)
+    root = logging.getLogger()
+    handlers, show = list(root.handlers), warnings.showwarning
+    sent = []
+    try:
+        with rank_warnings.own_warnings_as_the_ranks():
+            rank_warnings.forward_rank_output(sent.append)
+            logging.getLogger("megatron.core").warning("said once")
+    finally:
+        root.handlers[:] = handlers
+        warnings.showwarning = show
+    assert sent == ["Warning: said once"]
+    assert "Warning: said once" not in rank_warnings.PRINTER.shown, "the command's forwarding printed it too"
