@@ -64,11 +64,19 @@ def _assert_all_gone(processes: list[psutil.Process], within: float) -> float:
     return time.monotonic() - start
 
 
+def _leads_its_group(process: psutil.Process) -> bool:
+    """Each rank leads its own process group; a process that ended since it was listed leads none."""
+    try:
+        return os.getpgid(process.pid) == process.pid
+    except ProcessLookupError:
+        return False
+
+
 def _ranks_running(launcher: subprocess.Popen) -> list[psutil.Process]:
     """The launcher's descendants once both ranks are up: ranks, their helpers and the resource tracker."""
     def both_ranks():
         descendants = psutil.Process(launcher.pid).children(recursive=True)
-        leaders = [p for p in descendants if os.getpgid(p.pid) == p.pid]  # each rank leads its own group
+        leaders = [p for p in descendants if _leads_its_group(p)]
         return descendants if len(leaders) == 2 else None
 
     return _wait_for(both_ranks, "two ranks in their own process groups", launcher=launcher)
@@ -149,7 +157,7 @@ def _stop_ranks_mid_save(tmp_path: Path, launcher) -> int:
     while True:
         staging = _wait_for(lambda: sorted(ckpt.glob("iter_*.saving")), "save in progress", launcher=launcher)
         # each rank leads its own group (a child of the launcher, or of the server it forks from)
-        ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True) if os.getpgid(p.pid) == p.pid]
+        ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True) if _leads_its_group(p)]
         for rank in ranks:
             os.killpg(rank.pid, signal.SIGSTOP)
         group = [p for rank in ranks for p in [rank, *rank.children(recursive=True)]]
