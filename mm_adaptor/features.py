@@ -81,6 +81,8 @@ class Tolerance:
 
 
 BIT_FOR_BIT = Tolerance(exact=True, why="the math is unchanged")
+# Why every feature is trusted on the suite's base release (its default verified_on).
+BASE_RELEASE = "check passes in every layout the feature acts in (the suite's base release, CI's 0.16.1 leg)"
 
 
 def fused_kernel_tolerance(what_differs: str) -> Tolerance:
@@ -118,7 +120,7 @@ class Feature:
     # The feature's facts, read by contracts, verification, report and the docs:
     # the megatron-core versions its regression checks passed on, each with the one-line reason it is trusted there
     # (a patch serves where the installed function's code is that of one of these; docs/megatron-lm.md has detail);
-    verified_on: dict[str, str] = {"0.16.1": "check passes in every layout the feature acts in (the suite's base)"}
+    verified_on: dict[str, str] = {"0.16.1": BASE_RELEASE}
     # what has run on each device, verification.Record per device name (a device left out: no run recorded);
     devices: dict = {}
     # configurations it refuses, shown with its own message on its docs page: (what the probe shows, the options).

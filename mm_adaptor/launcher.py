@@ -142,7 +142,7 @@ def _rank_entry(fn, args, rank, world_size, port, threads, errors, rank_warnings
     _forward_warnings_to(rank_warnings)
     preloaded = sys.modules.get(PRELOAD_MODULE)
     if preloaded is not None:
-        preloaded.replay()
+        preloaded.replay(rank_warnings.put)
     os.environ.clear()
     os.environ.update(environment)
     os.environ.update(

@@ -6,8 +6,7 @@ are applied in the rank, after the fork."""
 
 from __future__ import annotations
 
-import logging
-import warnings
+from mm_adaptor.rank_warnings import forwarding
 
 MODULES = (
     "torch",
@@ -21,61 +20,25 @@ MODULES = (
     "megatron.core.distributed",
     "megatron.core.pipeline_parallel",
 )
-# torch's own loggers do not propagate to the root: the CUDA-runtime note comes through this one
-TORCH_LOGGERS = ("torch.utils.cpp_extension",)
-
-
-class _Keep(logging.Handler, logging.Filter):
-    """Keeps, in the order raised, the warnings shown and the records logged at WARNING or above."""
-
-    def __init__(self):
-        logging.Handler.__init__(self, logging.WARNING)
-        self.events: list = []
-
-    def showwarning(self, message, category, filename, lineno, file=None, line=None):
-        self.events.append((message, category, filename, lineno))
-
-    def emit(self, record):
-        self.events.append(record)
-
-    def filter(self, record):
-        if record.levelno < logging.WARNING:
-            return True
-        self.events.append(record)
-        return False
-
-
-NOTICES: list = []  # what importing MODULES raised: (message, category, filename, lineno) or a LogRecord
+NOTICES: list[str] = []  # what importing MODULES said, as a rank's warning forwarder words it
 
 
 def _preload() -> None:
-    keep = _Keep()
-    root = logging.getLogger()
-    root.addHandler(keep)
-    for name in TORCH_LOGGERS:
-        logging.getLogger(name).addFilter(keep)
+    undo = forwarding(NOTICES.append)
     try:
-        with warnings.catch_warnings():
-            warnings.showwarning = keep.showwarning
-            for module in MODULES:
-                try:
-                    __import__(module)
-                except ImportError:
-                    pass
+        for module in MODULES:
+            try:
+                __import__(module)
+            except ImportError:
+                pass
     finally:
-        root.removeHandler(keep)
-        for name in TORCH_LOGGERS:
-            logging.getLogger(name).removeFilter(keep)
-    NOTICES.extend(keep.events)
+        undo()
 
 
-def replay() -> None:
-    """In a forked rank, once its own warning handlers are set: the import-time notices, as if raised now."""
+def replay(send) -> None:
+    """In a forked rank: the import-time notices go to the rank's own forwarder, as if raised there."""
     for notice in NOTICES:
-        if isinstance(notice, logging.LogRecord):
-            logging.getLogger(notice.name).handle(notice)
-        else:
-            warnings.showwarning(*notice)
+        send(notice)
 
 
 _preload()

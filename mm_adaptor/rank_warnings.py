@@ -105,10 +105,10 @@ def forward_rank_output(send) -> None:
     if _undo_command_forwarding is not None:
         _undo_command_forwarding()
         _undo_command_forwarding = None
-    _forward(send)
+    forwarding(send)
 
 
-def _forward(send):
+def forwarding(send):
     """Python warnings and logged warnings go to `send`; returns what undoes it."""
 
     def show(message, category, filename, lineno, file=None, line=None):
@@ -133,7 +133,7 @@ def own_warnings_as_the_ranks():
     """A command's own warnings (megatron's import-time notices when `report` imports it) are printed the way its
     ranks' are: each distinct one once, the known-harmless ones counted in PRINTER's closing line."""
     global _undo_command_forwarding
-    _undo_command_forwarding = _forward(PRINTER.add)
+    _undo_command_forwarding = forwarding(PRINTER.add)
     try:
         yield
     finally:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mm_adaptor.features import BASE_RELEASE  # noqa: F401  (the features' declarations take it from here too)
+
 DEVICES = ("cpu", "cuda", "npu")
 STATES = ("verified", "stand-in", "failed", "not run")
 
@@ -58,7 +60,6 @@ STACKED_FUSED_FAILED_ON_H100 = Record(
               f"not yet split by flag (open)")
 
 # Reasons shared by the features' verified_on declarations.
-BASE_RELEASE = "check passes in every layout the feature acts in (the suite's base release, CI's 0.16.1 leg)"
 PIP_0_17_1 = ("pip 0.17.1, where the feature's functions differ from 0.16.1's and 0.19.0's: check passed with the "
               "mechanism counted")
 PIP_0_18_2 = "pip 0.18.2 (core_v0.18.0's code in every patched function): check passed with the mechanism counted"
