@@ -99,7 +99,7 @@ def init_single_rank(dist_backend: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from mm_adaptor.launcher import free_port
+    from mm_adaptor.ranks.launcher import free_port
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))

@@ -3,9 +3,9 @@
 --recompute-activation-function vs --swap-attention vs both, measured side by side in one run.
 
 Per configuration: median step time (forward + backward) and the saved activations at the end of forward, per
-residence (device / host), from mm_adaptor.memory's accountant; on CUDA also the step's peak allocated memory above
-what was allocated before it; on the CPU the peak growth of the process's resident memory (sampled), where the
-"host" copy is RAM too, so swap attention saves nothing physical.
+residence (device / host), from mm_adaptor.devices.memory's accountant; on CUDA also the step's peak allocated
+memory above what was allocated before it; on the CPU the peak growth of the process's resident memory (sampled),
+where the "host" copy is RAM too, so swap attention saves nothing physical.
 
     python benchmarks/activation_memory.py                      # the device torch sees (CUDA if any), bf16 on CUDA
     python benchmarks/activation_memory.py --device cpu --steps 2 --warmup 1
@@ -180,7 +180,7 @@ class NativeOffload:
         pack = manager.on_save_for_backward
 
         def on_save_for_backward(tensor):
-            from mm_adaptor.memory import notify_saved
+            from mm_adaptor.devices.memory import notify_saved
 
             packed = pack(tensor)
             if isinstance(packed, tuple):
@@ -224,7 +224,7 @@ def measure(args, name, flags, device):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from mm_adaptor.memory import SavedTensorAccountant
+    from mm_adaptor.devices.memory import SavedTensorAccountant
     from mm_adaptor.train.model import transformer_config
 
     native = native_fields(name)

@@ -27,7 +27,7 @@ def init_single_rank():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from mm_adaptor.launcher import free_port
+    from mm_adaptor.ranks.launcher import free_port
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -73,7 +73,7 @@ def submodules_of(spec):
 
 
 def saved_bytes(fn, module) -> int:
-    from mm_adaptor.memory import SavedTensorAccountant
+    from mm_adaptor.devices.memory import SavedTensorAccountant
 
     accountant = SavedTensorAccountant([module])  # no decoder layers: everything lands outside them
     with accountant.hooks():

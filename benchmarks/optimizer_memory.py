@@ -3,8 +3,8 @@ distributed optimizer): unpatched vs --reuse-fp32-param vs --swap-optimizer vs -
 own --optimizer-cpu-offload, each configuration in a fresh process, one after the other in one run.
 
 Per configuration: median step time and optimizer-step time; parameter, gradient and optimizer bytes per
-residence (mm_adaptor.memory.model_state_bytes, exact); on CUDA the peak allocated device memory of the whole run,
-on the CPU the peak resident memory of the process (where "host" is the same RAM, so moving state saves nothing
+residence (mm_adaptor.devices.memory.model_state_bytes, exact); on CUDA the peak allocated device memory of the whole
+run, on the CPU the peak resident memory of the process (where "host" is the same RAM, so moving state saves nothing
 physical); for --swap-optimizer the bytes copied per step and the bandwidth that implies.
 
     python benchmarks/optimizer_memory.py                       # the device torch sees (CUDA if any)
@@ -71,7 +71,7 @@ def run_one(args, name):
     import mm_adaptor
     from mm_adaptor import devices
     from mm_adaptor.api import feature_statistics
-    from mm_adaptor.memory import model_state_bytes
+    from mm_adaptor.devices.memory import model_state_bytes
     from mm_adaptor.train.data import MockBatches
     from mm_adaptor.train.loop import RunState, _set_seeds, train_step
     from mm_adaptor.train.model import build_model, build_optimizer, connect_grad_sync, transformer_config, wrap_model

@@ -32,7 +32,7 @@ def init_single_rank():
     from megatron.core import parallel_state
 
     from mm_adaptor import devices
-    from mm_adaptor.launcher import free_port
+    from mm_adaptor.ranks.launcher import free_port
 
     devices.install()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

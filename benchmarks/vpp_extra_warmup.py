@@ -37,8 +37,7 @@ def measured_chunk_costs(argv: list[str]) -> dict:
 
 
 def predicted_ms(layout: list[str], microbatches: int, stats: dict, extra: int, transfer_ms: float) -> tuple:
-    from mm_adaptor import schedule
-
+    from mm_adaptor.cli import schedule
     pp = int(layout[layout.index("--pipeline-model-parallel-size") + 1])
     costs = schedule.Costs(stats["mean forward ms per chunk"] / 1e3, stats["mean backward ms per chunk"] / 1e3,
                            latency=transfer_ms / 1e3)

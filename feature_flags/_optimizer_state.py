@@ -6,7 +6,7 @@ keeps discovery away)."""
 from importlib import import_module
 
 from mm_adaptor.feature_flags._refusals import cuda_graph_refusal
-from mm_adaptor.features import Feature, FeatureConfigError, Flag
+from mm_adaptor.core.features import Feature, FeatureConfigError, Flag
 
 # Megatron flags (and ours) that also decide where the main parameters or moments live.
 OWNERS_OF_OPTIMIZER_STATE = (("--use-precision-aware-optimizer", "use_precision_aware_optimizer"),

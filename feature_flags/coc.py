@@ -3,8 +3,8 @@ overlapped with the matmuls of the other chunks."""
 
 from collections import Counter
 
-from mm_adaptor.features import Feature, FeatureConfigError, Flag, Tolerance, register, require_local_spec
-from mm_adaptor.verification import (BASE_RELEASE, NO_GPU, PIP_0_17_1, PIP_0_18_2, TP2_DISTOPT, fake_npu_check,
+from mm_adaptor.core.features import Feature, FeatureConfigError, Flag, Tolerance, register, require_local_spec
+from mm_adaptor.core.verification import (BASE_RELEASE, NO_GPU, PIP_0_17_1, PIP_0_18_2, TP2_DISTOPT, fake_npu_check,
                                      same_everywhere)
 
 MAIN, ALIAS, CHUNKS = "--use-coc", "--use-ascend-coc", "--coc-parallel-num"
@@ -65,7 +65,7 @@ class ComputeOverlappedCommunication(Feature):
     def patch_sets(self, options):
         from mm_adaptor.patches.tensor_parallel import coc
         from mm_adaptor.patches.transformer import coc_experts
-        from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+        from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
         linears = coc.ChunkedLinears(chunks_of(options), calls=self.chunked_calls)
         contract = Contract(versions=SUPPORTED_MEGATRON_CORE)

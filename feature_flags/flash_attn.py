@@ -1,7 +1,7 @@
 """--use-flash-attn (Megatron-LM's own flag): the local spec's core attention runs PyTorch's fused attention."""
 
-from mm_adaptor.features import Feature, Flag, fused_kernel_tolerance, register, wrap_one
-from mm_adaptor.verification import STACKED_FUSED_FAILED_ON_H100, TP2_DISTOPT, fake_npu_check, same_everywhere
+from mm_adaptor.core.features import Feature, Flag, fused_kernel_tolerance, register, wrap_one
+from mm_adaptor.core.verification import STACKED_FUSED_FAILED_ON_H100, TP2_DISTOPT, fake_npu_check, same_everywhere
 
 
 @register

@@ -7,8 +7,9 @@ grouped_matmul each. Each generation's patches are applied where their targets e
 
 from collections import Counter
 
-from mm_adaptor.features import Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register, require_local_spec
-from mm_adaptor.verification import BASE_RELEASE, EP2_BF16, fake_npu_check, on_one_h100, same_everywhere
+from mm_adaptor.core.features import (Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register,
+                                      require_local_spec)
+from mm_adaptor.core.verification import BASE_RELEASE, EP2_BF16, fake_npu_check, on_one_h100, same_everywhere
 
 GROUPED_GEMM_UTIL = "megatron.core.transformer.moe.grouped_gemm_util"
 SEQUENTIAL_MLP_FORWARD = "megatron.core.transformer.moe.experts.SequentialMLP.forward"
@@ -67,7 +68,7 @@ class FusedGroupedMatmul(Feature):
 
     def patch_sets(self, options):
         from mm_adaptor.patches.transformer import moe_grouped_gemm as native
-        from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+        from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
         from megatron.core.transformer.moe import experts
 

@@ -1,9 +1,9 @@
 """--use-fused-rmsnorm: the local spec's RMSNorm modules run the native rms_norm kernel."""
 
-from mm_adaptor.features import (Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register,
+from mm_adaptor.core.features import (Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register,
                                  require_local_spec,
                                   wrap_one)
-from mm_adaptor.verification import (BASE_RELEASE, ON_0_19_2, STACKED_FUSED_FAILED_ON_H100, TP2_DISTOPT,
+from mm_adaptor.core.verification import (BASE_RELEASE, ON_0_19_2, STACKED_FUSED_FAILED_ON_H100, TP2_DISTOPT,
                                      fake_npu_check, same_everywhere)
 
 

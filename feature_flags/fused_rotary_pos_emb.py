@@ -1,7 +1,7 @@
 """--use-fused-rotary-pos-emb: megatron's apply_rotary_pos_emb runs the native rotary kernel."""
 
-from mm_adaptor.features import Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register, wrap_one
-from mm_adaptor.verification import (BASE_RELEASE, ON_0_19_2, PIP_0_17_1, PIP_0_18_2, STACKED_FUSED_FAILED_ON_H100,
+from mm_adaptor.core.features import Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register, wrap_one
+from mm_adaptor.core.verification import (BASE_RELEASE, ON_0_19_2, PIP_0_17_1, PIP_0_18_2, STACKED_FUSED_FAILED_ON_H100,
                                      TP2_DISTOPT, fake_npu_check, same_everywhere)
 
 

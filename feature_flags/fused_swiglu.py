@@ -1,7 +1,8 @@
 """--use-fused-swiglu: the MLP's SwiGLU activation runs the native swiglu kernel."""
 
-from mm_adaptor.features import Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register, require_local_spec
-from mm_adaptor.verification import (BASE_RELEASE, ON_0_19_2, STACKED_FUSED_FAILED_ON_H100, TP2_DISTOPT,
+from mm_adaptor.core.features import (Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register,
+                                      require_local_spec)
+from mm_adaptor.core.verification import (BASE_RELEASE, ON_0_19_2, STACKED_FUSED_FAILED_ON_H100, TP2_DISTOPT,
                                      fake_npu_check, same_everywhere)
 
 
@@ -24,7 +25,7 @@ class FusedSwiGLU(Feature):
 
     def patch_sets(self, options):
         from mm_adaptor.patches.transformer import fused_ops
-        from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+        from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
         contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
         ps = PatchSet(self.name)

@@ -1,8 +1,8 @@
 """--optimize-vocab-parallel-ce: the boolean-indexed writes in the vocab-parallel cross-entropy become torch.where."""
 
-from mm_adaptor.features import Feature, Flag, Tolerance, register
-from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
-from mm_adaptor.verification import NO_GPU, TP2_DISTOPT, fake_npu_check, same_everywhere
+from mm_adaptor.core.features import Feature, Flag, Tolerance, register
+from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+from mm_adaptor.core.verification import NO_GPU, TP2_DISTOPT, fake_npu_check, same_everywhere
 
 TARGET = "megatron.core.tensor_parallel.cross_entropy.VocabParallelCrossEntropy.calculate_predicted_logits"
 

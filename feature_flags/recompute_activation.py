@@ -2,8 +2,8 @@
 inputs, not its output; the output's storage is released once fc2 has saved it and refilled by recomputation
 just before fc2's backward."""
 
-from mm_adaptor.features import Feature, Flag, Tolerance, refuse_unless_local_spec, register
-from mm_adaptor.verification import (BASE_RELEASE, NO_GPU, ON_0_19_2, PIP_0_18_2, TP2_DISTOPT, fake_npu_check,
+from mm_adaptor.core.features import Feature, Flag, Tolerance, refuse_unless_local_spec, register
+from mm_adaptor.core.verification import (BASE_RELEASE, NO_GPU, ON_0_19_2, PIP_0_18_2, TP2_DISTOPT, fake_npu_check,
                                      same_everywhere)
 
 MAIN = "--recompute-activation-function"
@@ -45,7 +45,7 @@ class RecomputeActivation(Feature):
     def patch_sets(self, options):
         from mm_adaptor.patches.transformer import recompute_activation as rc
         from mm_adaptor.patches.transformer.hybrid_stack import HYBRID_STACK, wrap_where_defined
-        from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+        from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
         n = getattr(options, "recompute_activation_function_num_layers", None)
         contract = Contract(versions=SUPPORTED_MEGATRON_CORE)

@@ -2,8 +2,8 @@
 residual, not as a separate 4-byte copy; restored exactly, a batch at a time, for the optimizer step."""
 
 from mm_adaptor.feature_flags._optimizer_state import BatchedOptimizerStateFeature, state_owner_refusal
-from mm_adaptor.features import Flag, Tolerance, register
-from mm_adaptor.verification import (BASE_RELEASE, EP2_BF16, PIP_0_17_1, PIP_0_18_2, fake_npu_check, on_one_h100,
+from mm_adaptor.core.features import Flag, Tolerance, register
+from mm_adaptor.core.verification import (BASE_RELEASE, EP2_BF16, PIP_0_17_1, PIP_0_18_2, fake_npu_check, on_one_h100,
                                      same_everywhere)
 
 MAIN = "--reuse-fp32-param"

@@ -2,8 +2,8 @@
 block saves for backward waits in host memory between a layer's forward and its backward."""
 
 from mm_adaptor.feature_flags._refusals import cuda_graph_refusal
-from mm_adaptor.features import Feature, Flag, Tolerance, refuse_unless_local_spec, register
-from mm_adaptor.verification import (BASE_RELEASE, ON_0_19_2, PIP_0_17_1, PIP_0_18_2, TP2_DISTOPT, fake_npu_check,
+from mm_adaptor.core.features import Feature, Flag, Tolerance, refuse_unless_local_spec, register
+from mm_adaptor.core.verification import (BASE_RELEASE, ON_0_19_2, PIP_0_17_1, PIP_0_18_2, TP2_DISTOPT, fake_npu_check,
                                      on_one_h100, same_everywhere)
 
 MAIN = "--swap-attention"
@@ -80,7 +80,7 @@ def patch_set(name: str, manager):
     TransformerBlock, and on megatron-core 0.18+ for a HybridModel's HybridStack)."""
     from mm_adaptor.patches.transformer import swap_attention as sa
     from mm_adaptor.patches.transformer.hybrid_stack import HYBRID_STACK, wrap_where_defined
-    from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+    from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
     contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
     ps = PatchSet(name)

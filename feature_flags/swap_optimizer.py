@@ -4,8 +4,8 @@ moments wait in pinned host memory between steps; the step streams them through 
 import math
 
 from mm_adaptor.feature_flags._optimizer_state import BatchedOptimizerStateFeature, state_owner_refusal
-from mm_adaptor.features import Flag, Tolerance, register
-from mm_adaptor.verification import (BASE_RELEASE, PIP_0_17_1, TP2_DISTOPT, fake_npu_check, on_one_h100,
+from mm_adaptor.core.features import Flag, Tolerance, register
+from mm_adaptor.core.verification import (BASE_RELEASE, PIP_0_17_1, TP2_DISTOPT, fake_npu_check, on_one_h100,
                                      same_everywhere)
 
 MAIN = "--swap-optimizer"

@@ -4,8 +4,8 @@ device's Adam; with GB, at most that much per rank (the rest stays on the device
 import math
 
 from mm_adaptor.feature_flags._optimizer_state import OptimizerStateFeature, state_owner_refusal
-from mm_adaptor.features import FeatureConfigError, Flag, Tolerance, register
-from mm_adaptor.verification import BASE_RELEASE, NO_GPU, NO_NPU, PIP_0_17_1, Record, same_everywhere
+from mm_adaptor.core.features import FeatureConfigError, Flag, Tolerance, register
+from mm_adaptor.core.verification import BASE_RELEASE, NO_GPU, NO_NPU, PIP_0_17_1, Record, same_everywhere
 
 MAIN = "--virtual-optimizer"
 NPU_REFUSAL = ("refused on the NPU backend: torch_npu's swapped-memory tensors take only fill_, zero_, "

@@ -1,8 +1,8 @@
 """--vpp-extra-warmup [--vpp-extra-warmup-microbatches K]: megatron's interleaved 1F1B schedule with K more
 warm-up forwards per stage."""
 
-from mm_adaptor.features import Feature, FeatureConfigError, Flag, Tolerance, register
-from mm_adaptor.verification import BASE_RELEASE, NO_GPU, ON_0_19_2, PP2_VPP, fake_npu_check, same_everywhere
+from mm_adaptor.core.features import Feature, FeatureConfigError, Flag, Tolerance, register
+from mm_adaptor.core.verification import BASE_RELEASE, NO_GPU, ON_0_19_2, PP2_VPP, fake_npu_check, same_everywhere
 
 MAIN, COUNT = "--vpp-extra-warmup", "--vpp-extra-warmup-microbatches"
 SCHEDULES = "megatron.core.pipeline_parallel.schedules"
@@ -48,7 +48,7 @@ class VppExtraWarmup(Feature):
 
     def patch_sets(self, options):
         from mm_adaptor.patches.pipeline import vpp_extra_warmup as extra
-        from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+        from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
         contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
         ps = PatchSet(self.name)

@@ -6,8 +6,10 @@ import argparse
 import threading
 from typing import Any
 
-from mm_adaptor import devices, features
-from mm_adaptor.features import AppliedFeature, FeatureConfigError
+from mm_adaptor import devices
+
+from mm_adaptor.core import features
+from mm_adaptor.core.features import AppliedFeature, FeatureConfigError
 
 _lock = threading.RLock()
 _applied: list[AppliedFeature] = []

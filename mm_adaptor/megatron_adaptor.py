@@ -7,7 +7,7 @@ one line on rank 0 instead of a traceback from every rank.
 """
 
 from mm_adaptor import devices
-from mm_adaptor.errors import install_excepthook
+from mm_adaptor.core.errors import install_excepthook
 from mm_adaptor.megatron_lm import register_hooks
 
 install_excepthook()

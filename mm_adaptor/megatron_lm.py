@@ -6,8 +6,8 @@ import sys
 
 import wrapt
 
-from mm_adaptor import features
-from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+from mm_adaptor.core import features
+from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
 _hooks_registered = False
 _argument_patches: list[PatchSet] = []

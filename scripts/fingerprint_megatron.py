@@ -1,13 +1,13 @@
-"""Regenerate mm_adaptor/megatron_fingerprints.py: the fingerprint of every megatron-core function the project
+"""Regenerate mm_adaptor/versions/fingerprint_table.py: the fingerprint of every megatron-core function the project
 patches, in each tagged Megatron-LM release, read from the tags' source text (nothing is imported from them).
 
     python scripts/fingerprint_megatron.py --repo PATH_TO_MEGATRON_LM_GIT [--tags core_v0.16.1 core_v0.17.0 ...]
 
-The targets come from the registry (mm_adaptor.versions.registered_megatron_patches: every feature's patch sets
+The targets come from the registry (mm_adaptor.versions.serving.registered_megatron_patches: every feature's patch sets
 with its flag on, the device backends', the compatibility fixes, Megatron-LM's hooks), so run it in the project's
 environment. The first tag is the base the other versions' changed lines are measured against. Adding a
 megatron-core release = add its tag here, regenerate, verify the features on it, record that in each feature's
-verified_on (mm_adaptor.contracts.VERIFIED_ON for the compatibility and device patch sets).
+verified_on (mm_adaptor.versions.contracts.VERIFIED_ON for the compatibility and device patch sets).
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ def version_of(tag: str) -> str:
 
 
 def build(repo: str, tags: list[str], targets: list[str]) -> str:
-    from mm_adaptor.contracts import SIGNATURE_ONLY
-    from mm_adaptor.fingerprints import Resolver, changed_lines, fingerprint_signature, fingerprint_statements
+    from mm_adaptor.versions.contracts import SIGNATURE_ONLY
+    from mm_adaptor.versions.source_fingerprint import (Resolver, changed_lines, fingerprint_signature,
+                                                        fingerprint_statements)
 
     versions = [version_of(tag) for tag in tags]
     definitions = {}
@@ -81,7 +82,7 @@ def targets_without_grouped_mlp() -> set[str]:
     SequentialMLP): the base release's environment registers the 0.16 ones only."""
     from megatron.core.transformer.moe import experts
 
-    from mm_adaptor.versions import registered_megatron_patches
+    from mm_adaptor.versions.serving import registered_megatron_patches
 
     grouped_mlp = experts.__dict__.pop("GroupedMLP", None)
     try:
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 if the output file differs (nothing written)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from mm_adaptor.versions import registered_megatron_patches
+    from mm_adaptor.versions.serving import registered_megatron_patches
 
     include_megatron_lm_legacy_targets()
 

@@ -24,7 +24,7 @@ from PIL import Image
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
 
 from mm_adaptor.data import load_tokenizer
-from mm_adaptor.generate import prompt_inputs
+from mm_adaptor.cli.generate import prompt_inputs
 from mm_adaptor.models.qwen2_5_vl import tiny_config
 
 hf_dir, image, prompt = sys.argv[1:]

@@ -1,7 +1,6 @@
 """A one-rank gloo megatron for unit tests; its own module, since several test folders have a conftest."""
 
 import contextlib
-import os
 
 
 @contextlib.contextmanager
@@ -11,21 +10,15 @@ def one_gloo_rank():
     from megatron.core import parallel_state
 
     from mm_adaptor import devices
-    from mm_adaptor.launcher import free_port
+    from mm_adaptor.ranks.process import own_rendezvous
 
-    saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    devices.install("cpu")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    try:
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-        devices.uninstall()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with own_rendezvous():
+        devices.install("cpu")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+            devices.uninstall()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from mm_adaptor.one_line_parser import ArgumentParser, did_you_mean
+from mm_adaptor.core.one_line_parser import ArgumentParser, did_you_mean
 
 LAYOUT_NOTE = (
     "A Megatron dist checkpoint holds whole tensors and megatron reshards it on load: TP and the pipeline splits "

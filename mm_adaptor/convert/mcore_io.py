@@ -30,26 +30,20 @@ def single_process_group():
         yield
         return
     from mm_adaptor import devices
-    from mm_adaptor.rank_process import free_port
+    from mm_adaptor.ranks.process import own_rendezvous
 
     cpu = not torch.cuda.is_available()
     if cpu:
         devices.install("cpu")
-    saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        _stop_megatrons_write_results_server()
-        if cpu:
-            devices.uninstall()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with own_rendezvous():
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+            _stop_megatrons_write_results_server()
+            if cpu:
+                devices.uninstall()
 
 
 def _stop_megatrons_write_results_server() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from mm_adaptor.one_line_parser import ArgumentParser, did_you_mean
+from mm_adaptor.core.one_line_parser import ArgumentParser, did_you_mean
 
 SUBCOMMANDS = ("llava-to-messages", "make-shapes", "check")
 

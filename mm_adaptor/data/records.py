@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from mm_adaptor.errors import ConfigurationError
+from mm_adaptor.core.errors import ConfigurationError
 
 IMAGE_TAG = "<image>"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import wrapt
 
-from mm_adaptor.errors import ConfigurationError
-from mm_adaptor.patching import PatchSet
+from mm_adaptor.core.errors import ConfigurationError
+from mm_adaptor.core.patching import PatchSet
 
 
 def legacy_fused_kernels_present() -> bool:
@@ -39,9 +39,8 @@ class DeviceBackend:
 
     @property
     def verified_on_hardware(self) -> bool:
-        """Whether the adaptor has been run and checked on this device (mm_adaptor.verification says where)."""
-        from mm_adaptor import verification
-
+        """Whether the adaptor has been run and checked on this device (mm_adaptor.core.verification says where)."""
+        from mm_adaptor.core import verification
         return verification.backend_verified(self.name)
 
     def __init__(self) -> None:

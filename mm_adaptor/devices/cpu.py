@@ -32,7 +32,7 @@ from mm_adaptor.devices.cpu_cuda import CPU, CPU_ONLY, CPU_STREAMS, torch_cuda_p
 from mm_adaptor.devices.gloo import GLOO_SPECIALS
 from mm_adaptor.devices.redirect import (Redirection, Target, names_nccl, new_group_request, process_group_request,
                                           rng_state_patches)
-from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
 
 def cpu_target() -> Target:

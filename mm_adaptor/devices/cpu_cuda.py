@@ -12,7 +12,7 @@ import types
 import torch
 
 from mm_adaptor.devices.redirect import distinct
-from mm_adaptor.patching import Contract, PatchSet
+from mm_adaptor.core.patching import Contract, PatchSet
 
 CPU = torch.device("cpu")
 CPU_ONLY = "the CPU backend only"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mm_adaptor.patching import bound_arguments
+from mm_adaptor.core.patching import bound_arguments
 
 
 class _Completed:

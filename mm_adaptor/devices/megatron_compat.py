@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet, fingerprint
+from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet, fingerprint
 
 WITHOUT_TE = "every device, when Transformer Engine is not installed"
 
@@ -42,7 +42,7 @@ def _core() -> Contract:
 def _megatron_core_at_least(version: str) -> bool:
     from packaging.version import Version
 
-    from mm_adaptor.contracts import installed_version
+    from mm_adaptor.versions.contracts import installed_version
 
     installed = installed_version()
     return installed is not None and Version(installed) >= Version(version)

@@ -29,7 +29,7 @@ import torch
 from mm_adaptor.devices.base import DeviceBackend, legacy_fused_kernels_present
 from mm_adaptor.devices.redirect import (Redirection, Target, new_group_request, process_group_request,
                                          rng_state_patches)
-from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, Patch, PatchSet, bound_arguments
+from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, Patch, PatchSet, bound_arguments
 
 NPU_ONLY = "the NPU backend only"
 REDIRECTED = (

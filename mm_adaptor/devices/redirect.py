@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet, bound_arguments
+from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet, bound_arguments
 
 CUDA_TYPE_NAMES = ("FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "ByteTensor", "CharTensor",
                    "ShortTensor", "IntTensor", "LongTensor", "BoolTensor")

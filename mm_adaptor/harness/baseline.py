@@ -57,8 +57,7 @@ def key(args: argparse.Namespace) -> str:
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    from mm_adaptor import features
-
+    from mm_adaptor.core import features
     switched_off = {(flag.dest, repr(flag.default_value())) for _, flag in features.all_flags()}
     described = {
         "args": {k: v for k, v in sorted(vars(args).items())

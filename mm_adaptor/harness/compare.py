@@ -8,8 +8,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mm_adaptor import features
-from mm_adaptor.features import Tolerance
+from mm_adaptor.core import features
+from mm_adaptor.core.features import Tolerance
 from mm_adaptor.harness import verdict
 from mm_adaptor.harness.verdict import GroupVerdict, Limits
 
@@ -120,7 +120,7 @@ def checked_args(argv: list[str], *, check_devices: bool = True) -> argparse.Nam
 
 
 def _run(run, args, echo):
-    from mm_adaptor.launcher import Interrupted, LaunchError
+    from mm_adaptor.ranks.launcher import Interrupted, LaunchError
 
     try:
         return run(args, echo=echo)

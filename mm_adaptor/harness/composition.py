@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from mm_adaptor import features
+from mm_adaptor.core import features
 from mm_adaptor.harness.compare import HarnessError, checked_args
 
 # Every run: a model on which each layer feature has something to do (norms, SwiGLU, rotary embeddings).

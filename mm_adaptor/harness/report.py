@@ -41,7 +41,7 @@ MODEL_STATE_ROWS = (("parameters", "parameter_bytes"), ("gradients (main_grad)",
 
 
 def _model_state_rows(off: dict, on: dict) -> list[tuple[str, int, int]]:
-    """One row per kind of model state (mm_adaptor.memory.model_state_bytes), split into device and host rows
+    """One row per kind of model state (mm_adaptor.devices.memory.model_state_bytes), split into device and host rows
     where either run parks some in host memory; then the totals per residence."""
     rows = []
     for label, key in MODEL_STATE_ROWS:

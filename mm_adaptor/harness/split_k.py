@@ -5,8 +5,8 @@ which is how the training ranks get it (MM_ADAPTOR_FEATURE_MODULES); it is never
 
 from __future__ import annotations
 
-from mm_adaptor.features import Feature, Flag, Tolerance, register
-from mm_adaptor.patching import PatchSet
+from mm_adaptor.core.features import Feature, Flag, Tolerance, register
+from mm_adaptor.core.patching import PatchSet
 
 FLAG = "--calibration-split-k"
 PARTS_FLAG = "--calibration-split-k-parts"

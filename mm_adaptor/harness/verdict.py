@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mm_adaptor.features import Tolerance
+from mm_adaptor.core.features import Tolerance
 
 if TYPE_CHECKING:  # torch is imported where tensors are judged, so `mm-adaptor check` refuses bad input fast
     import torch

@@ -12,9 +12,9 @@ import os
 import sys
 import tempfile
 
-from mm_adaptor import features
-from mm_adaptor.launcher import Interrupted, LaunchError, launch, under_launcher
-from mm_adaptor.rank_warnings import print_every_ranks_warnings_once
+from mm_adaptor.core import features
+from mm_adaptor.ranks.launcher import Interrupted, LaunchError, launch, under_launcher
+from mm_adaptor.ranks.warning_digest import print_every_ranks_warnings_once
 from mm_adaptor.train import vlm
 from mm_adaptor.train.arguments import LayoutError, build_parser, check_paths, finalize_args, parse_args
 from mm_adaptor.train.checkpoint_files import latest_checkpoint

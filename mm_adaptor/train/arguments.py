@@ -8,9 +8,9 @@ import argparse
 import os
 from pathlib import Path
 
-from mm_adaptor import features
-from mm_adaptor.one_line_parser import ArgumentParser
-from mm_adaptor.rank_warnings import ShowEveryWarning
+from mm_adaptor.core import features
+from mm_adaptor.core.one_line_parser import ArgumentParser
+from mm_adaptor.ranks.warning_digest import ShowEveryWarning
 from mm_adaptor.train import hybrid, vlm
 from mm_adaptor.train.checkpoint_files import MARKER, latest_checkpoint
 from mm_adaptor.train.layout import LayoutError, finalize_args, range_problems  # noqa: F401  (the driver's API)

@@ -14,7 +14,7 @@ from pathlib import Path
 from mm_adaptor.train import vlm
 from mm_adaptor.train.checkpoint_files import (  # noqa: F401  (latest_checkpoint: callers read it here too)
     CONTENTS, MARKER, checkpoint_dir, latest_checkpoint, publish, replace_file)
-from mm_adaptor.wrapped import unwrap
+from mm_adaptor.core.wrapped import unwrap
 
 
 def _metadata(state) -> dict:

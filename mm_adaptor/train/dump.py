@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mm_adaptor.wrapped import unwrap
+from mm_adaptor.core.wrapped import unwrap
 
 
 @dataclass
@@ -143,7 +143,7 @@ class Recorder:
         import torch.distributed as dist
 
         from mm_adaptor.api import applied_features, feature_statistics, patch_calls
-        from mm_adaptor.memory import model_state_bytes
+        from mm_adaptor.devices.memory import model_state_bytes
 
         memory = dict(state.memory, **model_state_bytes(state.model, state.optimizer),
                       feature_statistics=feature_statistics(), patch_calls=patch_calls())

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import mm_adaptor
-from mm_adaptor.launcher import report_progress
+from mm_adaptor.ranks.launcher import report_progress
 from mm_adaptor.train import vlm
 from mm_adaptor.train.arguments import finalize_args
 from mm_adaptor.train.checkpoint import load_checkpoint, save_checkpoint
@@ -41,7 +41,7 @@ def forward_step(data_iterator, model):
 
 def measured_forward_step(state: RunState, forward_step=forward_step):
     """forward_step that records saved-activation bytes per layer during its first call."""
-    from mm_adaptor.memory import SavedTensorAccountant
+    from mm_adaptor.devices.memory import SavedTensorAccountant
 
     accountant = SavedTensorAccountant(state.model)
 

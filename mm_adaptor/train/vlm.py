@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 
 from mm_adaptor.train import vlm_data
-from mm_adaptor.wrapped import unwrap
+from mm_adaptor.core.wrapped import unwrap
 from mm_adaptor.train.model import loss_func
 
 MODELS = ("gpt", "qwen2_5_vl", "qwen2_5_vl-tiny")

@@ -146,7 +146,7 @@ class ReusedMainParams:
 
     # -- accounting --------------------------------------------------------------------------------------------
     def state_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
-        """What holds the main parameters now (mm_adaptor.memory.STATE_HOLDER): residuals and exceptions, the
+        """What holds the main parameters now (mm_adaptor.devices.memory.STATE_HOLDER): residuals and exceptions, the
         main parameter when whole, and a save's host copy."""
         held = []
         for i, (main, _model) in enumerate(self.pairs):

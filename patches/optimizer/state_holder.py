@@ -31,8 +31,8 @@ class SlotTaken(RuntimeError):
 
 
 def holder_of(optimizer, create: bool = False):
-    """The OptimizerStateHolder of a megatron optimizer (mm_adaptor.memory.STATE_HOLDER), made on demand."""
-    from mm_adaptor.memory import STATE_HOLDER
+    """The OptimizerStateHolder of a megatron optimizer (mm_adaptor.devices.memory.STATE_HOLDER), made on demand."""
+    from mm_adaptor.devices.memory import STATE_HOLDER
 
     holder = getattr(optimizer, STATE_HOLDER, None)
     if holder is None and create:
@@ -217,7 +217,7 @@ COPIES_TO_MODEL = (f"{FLOAT16}._copy_main_params_to_model_params", f"{DISTRIBUTE
 def holder_patch_set(name: str, patches: HolderPatches, *, inits=INITS, extra=()):
     """The wraps every optimizer-state feature shares (its policy adopted at init; megatron's step, and the
     main-to-model copy after it, through the holder) plus `extra` (target, wrapper) pairs."""
-    from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+    from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
     contract = Contract(versions=SUPPORTED_MEGATRON_CORE)
     ps = PatchSet(name)

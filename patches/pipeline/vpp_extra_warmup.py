@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mm_adaptor.patching import bound_arguments
+from mm_adaptor.core.patching import bound_arguments
 
 
 class InFlight:

@@ -7,7 +7,7 @@ import warnings
 import torch
 
 from mm_adaptor import ops
-from mm_adaptor.patching import bound_arguments
+from mm_adaptor.core.patching import bound_arguments
 
 
 _warned: set[tuple[str, str]] = set()
@@ -65,7 +65,7 @@ def torch_norm_new_with_fused_rmsnorm(wrapped, instance, args, kwargs):
     if config.normalization != "RMSNorm":
         return wrapped(*args, **kwargs)
     if config.memory_efficient_layer_norm:
-        from mm_adaptor.features import FeatureConfigError
+        from mm_adaptor.core.features import FeatureConfigError
 
         raise FeatureConfigError(MEMORY_EFFICIENT_NORM_REFUSAL)
     return FusedRMSNorm(bound["hidden_size"], bound.get("eps", 1e-5), bool(config.sequence_parallel),

@@ -8,7 +8,7 @@ release on, as None where it is not defined) and applied where the class exists.
 
 from __future__ import annotations
 
-from mm_adaptor.patching import _MISSING, Patch, PatchError, resolve
+from mm_adaptor.core.patching import _MISSING, Patch, PatchError, resolve
 
 HYBRID_STACK = "megatron.core.models.hybrid.hybrid_block.HybridStack"
 

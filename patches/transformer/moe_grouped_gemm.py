@@ -7,7 +7,7 @@ import types
 import torch
 
 from mm_adaptor import ops
-from mm_adaptor.patching import bound_arguments
+from mm_adaptor.core.patching import bound_arguments
 
 
 def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
@@ -37,7 +37,7 @@ def grouped_mlp_forward(self, permuted_local_hidden_states, tokens_per_expert, p
     hidden, probs = permuted_local_hidden_states, permuted_probs
     if config.moe_apply_probs_on_input:
         if config.moe_router_topk != 1:
-            from mm_adaptor.features import FeatureConfigError
+            from mm_adaptor.core.features import FeatureConfigError
 
             raise FeatureConfigError(PROBS_ON_INPUT_REFUSAL)
         hidden = (probs.unsqueeze(-1) * hidden).to(hidden.dtype)
@@ -188,7 +188,7 @@ def sequential_mlp_forward_grouped(stats, function=None):
         config = instance.config
         if config.moe_apply_probs_on_input:  # as megatron's SequentialMLP: scale the input, then probabilities 1
             if config.moe_router_topk != 1:
-                from mm_adaptor.features import FeatureConfigError
+                from mm_adaptor.core.features import FeatureConfigError
 
                 raise FeatureConfigError(PROBS_ON_INPUT_REFUSAL)
             hidden = (probs.unsqueeze(-1) * hidden).to(hidden.dtype)

@@ -23,8 +23,7 @@ import weakref
 
 import torch
 
-from mm_adaptor import memory
-
+from mm_adaptor.devices import memory
 SWAP_ATTR = "_mm_swap_attention"
 DEFAULT_MODULES = ("input_layernorm", "self_attention", "pre_mlp_layernorm")
 # TransformerLayer children that can be swapped; MindSpeed's names for the norms are accepted as aliases.

@@ -57,7 +57,7 @@ def _rank_main(workdir):
 @pytest.fixture(scope="module")
 def ranks(tiny_hf, tmp_path_factory):
     from mm_adaptor.convert.hf_to_mcore import convert
-    from mm_adaptor.launcher import launch
+    from mm_adaptor.ranks.launcher import launch
 
     hf, saved = tiny_hf
     workdir = tmp_path_factory.mktemp("convert_parallel")

@@ -144,7 +144,7 @@ def test_a_conversion_leaves_no_process_behind(tmp_path):
 
     save_tiny(tmp_path / "hf")
     assert main(["hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "mcore")]) == 0
-    from mm_adaptor.launcher import is_process_helper
+    from mm_adaptor.ranks.launcher import is_process_helper
 
     left = [p for p in psutil.Process().children(recursive=True)
             if not is_process_helper(p) and p.status() != psutil.STATUS_ZOMBIE]

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from mm_adaptor.data import DataError, build, validate
-from mm_adaptor.errors import ConfigurationError
+from mm_adaptor.core.errors import ConfigurationError
 
 SEQ = 320
 

@@ -1,8 +1,8 @@
 """Deliberately wrong variants of --optimize-vocab-parallel-ce, registered only for the harness's self-test
 (loaded into the training ranks through MM_ADAPTOR_FEATURE_MODULES)."""
 
-from mm_adaptor.features import BIT_FOR_BIT, Feature, Flag, register
-from mm_adaptor.patching import PatchSet
+from mm_adaptor.core.features import BIT_FOR_BIT, Feature, Flag, register
+from mm_adaptor.core.patching import PatchSet
 
 CE = "megatron.core.tensor_parallel.cross_entropy.VocabParallelCrossEntropy"
 

@@ -1,7 +1,7 @@
 """A deliberately wrong --use-coc for the harness's self-test (loaded into the training ranks through
 MM_ADAPTOR_FEATURE_MODULES): each chunk's product lands in the next chunk's rows."""
 
-from mm_adaptor.features import BIT_FOR_BIT, Feature, Flag, register
+from mm_adaptor.core.features import BIT_FOR_BIT, Feature, Flag, register
 
 
 @register
@@ -12,7 +12,7 @@ class ChunksInTheWrongOrder(Feature):
     tolerance = BIT_FOR_BIT
 
     def patch_sets(self, options):
-        from mm_adaptor.patching import PatchSet
+        from mm_adaptor.core.patching import PatchSet
         from mm_adaptor.patches.tensor_parallel import coc
 
         ps = PatchSet(self.name)

@@ -7,8 +7,8 @@ import functools
 
 import torch
 
-from mm_adaptor import contracts
-from mm_adaptor.features import BIT_FOR_BIT, Feature, Flag, register
+from mm_adaptor.versions import contracts
+from mm_adaptor.core.features import BIT_FOR_BIT, Feature, Flag, register
 
 
 def _perturbed_checkpoint_class():
@@ -34,7 +34,7 @@ class RecomputeActivationFromPerturbedInput(Feature):
     def patch_sets(self, options):
         from mm_adaptor.patches.transformer import recompute_activation as rc
         from mm_adaptor.patches.transformer.hybrid_stack import HYBRID_STACK, wrap_where_defined
-        from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+        from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 
         ps = PatchSet(self.name)
         ps.wrap("megatron.core.transformer.transformer_block.TransformerBlock.__init__",

@@ -2,8 +2,8 @@
 ranks through MM_ADAPTOR_FEATURE_MODULES): its split keeps the bf16 high half and drops the low bits, so each
 step starts from the rounded main parameters. It claims bit-for-bit and must fail."""
 
-from mm_adaptor import contracts
-from mm_adaptor.features import BIT_FOR_BIT, Feature, Flag, register
+from mm_adaptor.versions import contracts
+from mm_adaptor.core.features import BIT_FOR_BIT, Feature, Flag, register
 
 
 @register

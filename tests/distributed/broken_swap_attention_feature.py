@@ -3,8 +3,8 @@ ranks through MM_ADAPTOR_FEATURE_MODULES): it swaps like the real feature, but a
 the host copy of the same-sized storage saved by the layer below it in the same micro-batch (the layer above for
 the lowest layer). It claims bit-for-bit and must fail, in fp32 and bf16."""
 
-from mm_adaptor import contracts
-from mm_adaptor.features import BIT_FOR_BIT, Feature, Flag, register
+from mm_adaptor.versions import contracts
+from mm_adaptor.core.features import BIT_FOR_BIT, Feature, Flag, register
 
 
 def _neighbour_source_manager():

@@ -2,8 +2,8 @@
 ranks through MM_ADAPTOR_FEATURE_MODULES): tensors of one shape share one host buffer, so a buffer is reused before
 the values it holds have been fetched back. It claims bit-for-bit and must fail."""
 
-from mm_adaptor import contracts
-from mm_adaptor.features import BIT_FOR_BIT, Feature, Flag, register
+from mm_adaptor.versions import contracts
+from mm_adaptor.core.features import BIT_FOR_BIT, Feature, Flag, register
 
 
 def _sharing_state_class():

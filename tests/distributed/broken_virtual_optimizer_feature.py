@@ -2,8 +2,8 @@
 ranks through MM_ADAPTOR_FEATURE_MODULES): moving a moment to host memory loses its values (the new buffer starts
 at zero). It claims bit-for-bit and must fail, in fp32 and bf16."""
 
-from mm_adaptor import contracts
-from mm_adaptor.features import BIT_FOR_BIT, Feature, Flag, register
+from mm_adaptor.versions import contracts
+from mm_adaptor.core.features import BIT_FOR_BIT, Feature, Flag, register
 
 
 @register

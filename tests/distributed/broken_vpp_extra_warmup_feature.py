@@ -2,7 +2,7 @@
 MM_ADAPTOR_FEATURE_MODULES): the extra warm-up forward runs on the last pipeline stage only, so the stages no longer
 agree on which transfer carries which micro-batch."""
 
-from mm_adaptor.features import BIT_FOR_BIT, Feature, Flag, register
+from mm_adaptor.core.features import BIT_FOR_BIT, Feature, Flag, register
 
 
 def _extra_on_the_last_stage_only(wrapped, instance, args, kwargs):
@@ -24,7 +24,7 @@ class ExtraWarmupOnOneStage(Feature):
     tolerance = BIT_FOR_BIT
 
     def patch_sets(self, options):
-        from mm_adaptor.patching import PatchSet
+        from mm_adaptor.core.patching import PatchSet
 
         ps = PatchSet(self.name)
         ps.wrap("megatron.core.pipeline_parallel.schedules.get_pp_rank_microbatches", _extra_on_the_last_stage_only)

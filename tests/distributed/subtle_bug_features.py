@@ -2,8 +2,8 @@
 harness's self-test (loaded into the training ranks through MM_ADAPTOR_FEATURE_MODULES). The harness must reject
 each in fp32 and in bf16."""
 
-from mm_adaptor.features import Feature, Flag, fused_kernel_tolerance, register
-from mm_adaptor.patching import PatchSet
+from mm_adaptor.core.features import Feature, Flag, fused_kernel_tolerance, register
+from mm_adaptor.core.patching import PatchSet
 
 LAYER = "megatron.core.transformer.transformer_layer.TransformerLayer.__init__"
 

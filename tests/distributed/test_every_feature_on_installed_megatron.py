@@ -9,13 +9,17 @@ import pytest
 from feature_runs import assert_run_passes
 from packaging.version import Version
 
-from mm_adaptor import contracts, features, versions
+from mm_adaptor.versions import contracts
+
+from mm_adaptor.core import features
+
+from mm_adaptor.versions import serving
 from mm_adaptor.harness import composition
 
 pytestmark = pytest.mark.distributed
 
 BUILT_IN = sorted(features.built_in_features(), key=lambda f: f.name)
-STATES = {state.name: state for state in versions.feature_states()}
+STATES = {state.name: state for state in serving.feature_states()}
 SERVING = [f for f in BUILT_IN if not STATES[f.name].refusals]
 REFUSED = [f for f in BUILT_IN if STATES[f.name].refusals]
 

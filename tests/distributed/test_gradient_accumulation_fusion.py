@@ -5,7 +5,7 @@ fused path really runs is asserted in tests/unit/test_gradient_accumulation_fusi
 import pytest
 
 from mm_adaptor import harness
-from mm_adaptor.features import fused_kernel_tolerance
+from mm_adaptor.core.features import fused_kernel_tolerance
 
 pytestmark = pytest.mark.distributed
 

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from mm_adaptor import train
-from mm_adaptor.launcher import LaunchError, is_process_helper, launch, report_progress
+from mm_adaptor.ranks.launcher import LaunchError, is_process_helper, launch, report_progress
 from mm_adaptor.train.checkpoint import MARKER
 
 pytestmark = pytest.mark.distributed
@@ -272,7 +272,7 @@ import signal
 import sys
 import time
 
-from mm_adaptor.launcher import launch
+from mm_adaptor.ranks.launcher import launch
 
 # as in a terminal: a suite started in the background (nohup ... &) hands its children SIGINT ignored
 signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -57,7 +57,7 @@ def test_check_prints_no_warning_text():
 
 
 def test_under_torchrun_each_warning_of_any_rank_is_printed_once():
-    from mm_adaptor.launcher import free_port
+    from mm_adaptor.ranks.launcher import free_port
 
     env = {key: value for key, value in os.environ.items() if key not in ("MM_ADAPTOR_VERBOSE", "PYTHONWARNINGS")}
     env.update(MM_ADAPTOR_DEVICE="cpu", OMP_NUM_THREADS="1")

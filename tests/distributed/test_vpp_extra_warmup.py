@@ -29,7 +29,7 @@ def test_pp2_vpp2(k, extra):
     """Rank 0 (whose statistics the harness reports) holds its warm-up plus K plus the one in steady state, at most
     all 8 virtual micro-batches (4 micro-batches x 2 chunks); and it ran its passes in the order mm-adaptor schedule
     simulates, so the simulator cannot drift from what runs."""
-    from mm_adaptor.schedule import stage_order
+    from mm_adaptor.cli.schedule import stage_order
 
     stats = check([*FLAG, "--vpp-extra-warmup-microbatches", str(k)], "pp2-vpp2", extra)
     assert stats["peak micro-batches in flight"] == min(megatron_warmup(2, 2, 0) + k + 1, 8)

@@ -3,7 +3,7 @@ the harness's self-test (loaded into the training ranks through MM_ADAPTOR_FEATU
 real one, but backward hands each expert the weight gradient of the expert at the mirrored position (the stacked
 gradient unbound in reverse order). The losses of step 1 agree; the check must fail on the gradients."""
 
-from mm_adaptor.features import Flag, register
+from mm_adaptor.core.features import Flag, register
 from mm_adaptor.feature_flags.fused_gmm import SEQUENTIAL_MLP_FORWARD, FusedGroupedMatmul
 from mm_adaptor.patches.transformer import moe_grouped_gemm as native
 
@@ -22,7 +22,7 @@ class FusedGmmMirroredWeightGradients(FusedGroupedMatmul):
     flags = (Flag("--use-test-fused-gmm-mirrored-wgrad", description),)
 
     def patch_sets(self, options):
-        from mm_adaptor.patching import PatchSet
+        from mm_adaptor.core.patching import PatchSet
 
         ps = PatchSet(self.name)
         ps.wrap(SEQUENTIAL_MLP_FORWARD, native.sequential_mlp_forward_grouped(self.grouped, MirroredWeightGradients))

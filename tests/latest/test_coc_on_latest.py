@@ -3,9 +3,7 @@ layer's functions being core_v0.19.0's. Its regression tests (tests/distributed/
 and without sequence parallelism, EP2 x expert TP2 MoE within tolerance, the chunked paths counted as run, the
 broken variant failing) run on this release with the whole suite."""
 
-from mm_adaptor import versions
-
-
+from mm_adaptor.versions import serving
 def test_coc_serves_on_this_release():
-    state = {s.name: s for s in versions.feature_states()}["coc"]
+    state = {s.name: s for s in serving.feature_states()}["coc"]
     assert not state.refusals, state.refusals

@@ -12,13 +12,15 @@ import sys
 import pytest
 from feature_runs import assert_run_passes
 
-from mm_adaptor import features, versions
+from mm_adaptor.core import features
+
+from mm_adaptor.versions import serving
 from mm_adaptor.harness import composition
 from mm_adaptor.train import hybrid
 from mm_adaptor.train.arguments import LayoutError, finalize_args, parse_args
 
 BUILT_IN = sorted(features.built_in_features(), key=lambda f: f.name)
-STATES = {state.name: state for state in versions.feature_states()}
+STATES = {state.name: state for state in serving.feature_states()}
 # The optimizer-state features act on the optimizer, not on layers: tests/latest/test_optimizer_features_on_latest.py
 OPTIMIZER_STATE = {"reuse-fp32-param", "swap-optimizer", "virtual-optimizer"}
 SERVING = [f for f in BUILT_IN if not STATES[f.name].refusals and f.name not in OPTIMIZER_STATE]

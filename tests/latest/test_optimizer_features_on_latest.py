@@ -97,7 +97,7 @@ def test_swapped_main_parameters_stay_in_host_memory_when_the_chained_optimizer_
     import argparse
 
     import mm_adaptor
-    from mm_adaptor.memory import STATE_HOLDER
+    from mm_adaptor.devices.memory import STATE_HOLDER
     from mm_adaptor.train.arguments import finalize_args, parse_args
     from mm_adaptor.patches.optimizer.swap_optimizer import SwappedOptimizerState
     from mm_adaptor.train.model import build_model, build_optimizer, transformer_config, wrap_model

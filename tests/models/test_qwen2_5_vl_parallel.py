@@ -111,7 +111,7 @@ def _rank_main(workdir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from mm_adaptor.launcher import launch
+    from mm_adaptor.ranks.launcher import launch
     from mm_adaptor.models.qwen2_5_vl import rope_index_for
 
     workdir = tmp_path_factory.mktemp("qwen2_5_vl")

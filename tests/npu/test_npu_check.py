@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mm_adaptor import features
+from mm_adaptor.core import features
 from tests.npu.fake import env
 
 pytestmark = pytest.mark.npu
@@ -88,8 +88,7 @@ def test_check_passes_on_the_fake_npu_with_the_npu_kernels(checks, name):
 def test_verification_records_of_the_npu_say_what_this_module_ran():
     """The npu records are 'stand-in' exactly for the features checked here (never 'verified': no Ascend run), and
     each names the runs' layout and test."""
-    from mm_adaptor import verification
-
+    from mm_adaptor.core import verification
     by_flag = _flag_to_feature()
     layouts = {"tp2_sp_distopt": verification.TP2_DISTOPT, "ep2_moe_bf16": verification.EP2_BF16,
                "pp2_vpp": verification.PP2_VPP}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mm_adaptor.features import FeatureConfigError, get
+from mm_adaptor.core.features import FeatureConfigError, get
 
 
 def assert_refused_in_one_line(feature_name: str, opts, names, why_enabled: str = "") -> None:

@@ -49,7 +49,7 @@ def test_refusals_are_one_line_naming_the_flags(kw, names):
 
 
 def test_the_mindspeed_name_turns_it_on():
-    from mm_adaptor.features import get
+    from mm_adaptor.core.features import get
 
     opts = options(use_coc=False, use_ascend_coc=True)
     assert get("coc").is_enabled(opts)

@@ -102,7 +102,7 @@ def test_nccl_process_groups_become_gloo(backend, monkeypatch):
     import torch.distributed as dist
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    from mm_adaptor.launcher import free_port
+    from mm_adaptor.ranks.launcher import free_port
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("nccl", rank=0, world_size=1)
@@ -116,7 +116,7 @@ def test_nccl_process_groups_become_gloo(backend, monkeypatch):
 
 @pytest.fixture
 def rendezvous(monkeypatch):
-    from mm_adaptor.launcher import free_port
+    from mm_adaptor.ranks.launcher import free_port
 
     monkeypatch.delenv("MM_ADAPTOR_DEVICE", raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -8,7 +8,7 @@ import math
 import pytest
 from refusals import assert_refused_in_one_line
 
-from mm_adaptor.features import get
+from mm_adaptor.core.features import get
 
 # each feature with options it otherwise accepts
 ACCEPTED = {

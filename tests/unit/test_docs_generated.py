@@ -1,17 +1,19 @@
-"""The generated blocks of README.md and docs/ say what the feature registry and mm_adaptor/verification.py say, and
-the check notices when they stop doing so (a feature or a flag added without regenerating)."""
+"""The generated blocks of README.md and docs/ say what the feature registry and mm_adaptor/core/verification.py say,
+and the check notices when they stop doing so (a feature or a flag added without regenerating)."""
 
 import dataclasses
 
 import pytest
 
-from mm_adaptor import docs_gen, features
-from mm_adaptor.features import Feature, Flag
+from mm_adaptor.cli import docs_gen
+
+from mm_adaptor.core import features
+from mm_adaptor.core.features import Feature, Flag
 
 
 def test_committed_docs_match_the_registry():
     problems = docs_gen.stale()
-    assert not problems, "\n".join(problems) + "\nrun `python -m mm_adaptor.docs_gen` and commit the result"
+    assert not problems, "\n".join(problems) + "\nrun `python -m mm_adaptor.cli.docs_gen` and commit the result"
 
 
 def test_every_builtin_feature_has_a_page_linked_from_the_readme():

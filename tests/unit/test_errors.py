@@ -9,9 +9,9 @@ import pytest
 from stderr_lines import without_torch_notes
 
 from mm_adaptor.devices import NoAcceleratorError
-from mm_adaptor.errors import ConfigurationError
-from mm_adaptor.features import FeatureConfigError
-from mm_adaptor.patching import PatchContractError
+from mm_adaptor.core.errors import ConfigurationError
+from mm_adaptor.core.features import FeatureConfigError
+from mm_adaptor.core.patching import PatchContractError
 
 SCRIPT = '''
 import mm_adaptor.megatron_adaptor  # noqa: F401
@@ -28,7 +28,7 @@ def run_script(body: str, rank: str | None) -> subprocess.CompletedProcess:
 
 
 RAISE_CONFIG_ERROR = '''
-from mm_adaptor.features import FeatureConfigError
+from mm_adaptor.core.features import FeatureConfigError
 raise FeatureConfigError("--use-fused-swiglu needs --swiglu:\\nadd --swiglu or drop --use-fused-swiglu")
 '''
 
@@ -47,8 +47,7 @@ def test_uncaught_configuration_error_prints_one_line_on_rank_zero_only(rank, ex
 def test_under_torchrun_other_ranks_let_rank_zero_print_first(monkeypatch, capsys):
     """torchrun stops every rank as soon as one exits: rank 0, which prints Megatron-LM's arguments table before
     failing the same way, must not be stopped before its line is out."""
-    from mm_adaptor import errors
-
+    from mm_adaptor.core import errors
     slept = []
     monkeypatch.setattr(errors.time, "sleep", slept.append)
     monkeypatch.setenv("RANK", "1")

@@ -5,8 +5,8 @@ import itertools
 
 import pytest
 
-from mm_adaptor import features
-from mm_adaptor.features import Feature, Flag, fused_kernel_tolerance, register
+from mm_adaptor.core import features
+from mm_adaptor.core.features import Feature, Flag, fused_kernel_tolerance, register
 from mm_adaptor.harness import composition
 
 

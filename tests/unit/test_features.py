@@ -8,9 +8,9 @@ import types
 import pytest
 
 import mm_adaptor
-from mm_adaptor import features
-from mm_adaptor.features import Feature, FeatureConfigError, Flag, register, unregister
-from mm_adaptor.patching import PatchSet
+from mm_adaptor.core import features
+from mm_adaptor.core.features import Feature, FeatureConfigError, Flag, register, unregister
+from mm_adaptor.core.patching import PatchSet
 
 
 @pytest.fixture
@@ -158,7 +158,7 @@ def test_one_supported_megatron_core_range_matches_the_package_dependency():
     import pathlib
     import tomllib
 
-    from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE
+    from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE
 
     project = tomllib.loads((pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
     assert f"megatron-core{SUPPORTED_MEGATRON_CORE}" in project["dependencies"]

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import mm_adaptor
-from mm_adaptor import features
-from mm_adaptor.features import Feature, FeatureConfigError, Flag
+from mm_adaptor.core import features
+from mm_adaptor.core.features import Feature, FeatureConfigError, Flag
 from mm_adaptor.patches.transformer import fused_ops
 
 from gloo_rank import one_gloo_rank

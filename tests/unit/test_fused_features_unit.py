@@ -8,7 +8,7 @@ import torch
 from megatron_releases import requires_grouped_mlp
 
 import mm_adaptor
-from mm_adaptor.features import FeatureConfigError
+from mm_adaptor.core.features import FeatureConfigError
 
 
 @pytest.fixture

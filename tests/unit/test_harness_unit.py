@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mm_adaptor import harness
-from mm_adaptor.cli_check import _split_feature_args
+from mm_adaptor.cli.check import _split_feature_args
 from mm_adaptor.harness import verdict
 
 

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from mm_adaptor.launcher import LaunchError, launch
+from mm_adaptor.ranks.launcher import LaunchError, launch
 from mm_adaptor.train import LayoutError, build_parser, finalize_args
 
 

@@ -6,7 +6,7 @@ import argparse
 import pytest
 import torch
 
-from mm_adaptor import contracts
+from mm_adaptor.versions import contracts
 from mm_adaptor.devices import megatron_compat
 
 
@@ -84,8 +84,7 @@ def test_fused_rope_leaves_mla_interleaving_to_megatron(monkeypatch, mla_rotary_
 
 
 def test_fused_swiglu_patches_grouped_mlp_only_where_megatron_has_it(monkeypatch):
-    from mm_adaptor import features
-
+    from mm_adaptor.core import features
     feature = features.get("fused-swiglu")
     targets = [t for ps in feature.patch_sets(argparse.Namespace(swiglu=True)) for t in ps.targets()]
     from megatron.core.transformer.moe import experts
@@ -107,8 +106,8 @@ def test_what_passed_its_checks_on_0_19_serves_0_19_code_and_nothing_else_does(m
     """What passed its checks on 0.19.2 (whose targets have core_v0.19.0's code: tests/latest, benchmarks/RESULTS.md)
     serves there; the one changed set never verified there (the MoE router fix, which stands aside from 0.17 since
     megatron defines te_general_gemm itself) refuses if asked."""
-    from mm_adaptor.megatron_fingerprints import FINGERPRINTS
-    from mm_adaptor.versions import registered_megatron_patches
+    from mm_adaptor.versions.fingerprint_table import FINGERPRINTS
+    from mm_adaptor.versions.serving import registered_megatron_patches
 
     assert {name for name, versions in contracts.VERIFIED_ON.items() if "0.19.0" in versions} == VERIFIED_0_19
     monkeypatch.setattr(contracts, "live_fingerprint", lambda target: FINGERPRINTS[target]["0.19.0"])

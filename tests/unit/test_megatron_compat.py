@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mm_adaptor import devices
-from mm_adaptor.patching import PatchContractError
+from mm_adaptor.core.patching import PatchContractError
 from mm_adaptor.devices import megatron_compat
 
 
@@ -113,7 +113,7 @@ def test_every_compat_set_says_what_it_changes_and_what_megatron_does_without_it
 
 
 def test_report_has_a_section_per_patch_set():
-    from mm_adaptor.cli_report import report_lines
+    from mm_adaptor.cli.report import report_lines
 
     text = "\n".join(report_lines())
     for name in ("device:cpu", "compat:rope-fusion", "compat:torch-norm", "compat:torch-adam-distributed-checkpoint"):

@@ -1,10 +1,10 @@
-"""Model-state memory accounting (mm_adaptor.memory.model_state_bytes) against bytes computed by hand."""
+"""Model-state memory accounting (mm_adaptor.devices.memory.model_state_bytes) against bytes computed by hand."""
 
 import pytest
 import torch
 from torch import nn
 
-from mm_adaptor.memory import model_state_bytes
+from mm_adaptor.devices.memory import model_state_bytes
 
 
 def kinds(figures):
@@ -94,7 +94,7 @@ def build_tiny_gpt(argv):
                                   ["--bf16", "--use-distributed-optimizer"]],
                          ids=["fp32", "fp32-distopt", "bf16", "bf16-distopt"])
 def test_megatron_ddp_tiny_gpt(single_rank_megatron, argv):
-    from mm_adaptor.wrapped import unwrap
+    from mm_adaptor.core.wrapped import unwrap
 
     model, optimizer = build_tiny_gpt(argv)
     h, layers, vocab, seq = 32, 2, 128, 16

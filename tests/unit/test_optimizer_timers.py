@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mm_adaptor
-from mm_adaptor.features import get
+from mm_adaptor.core.features import get
 
 
 class RecordingTimers:

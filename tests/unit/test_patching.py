@@ -1,4 +1,4 @@
-"""mm_adaptor.patching: replace/wrap, contracts, by-value copies, descriptors, stacking, PatchSet."""
+"""mm_adaptor.core.patching: replace/wrap, contracts, by-value copies, descriptors, stacking, PatchSet."""
 
 import functools
 import importlib
@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 
-from mm_adaptor import contracts
-from mm_adaptor.patching import (
+from mm_adaptor.versions import contracts
+from mm_adaptor.core.patching import (
     ALLOW_MISMATCH_ENV,
     Contract,
     Patch,
@@ -457,7 +457,7 @@ def test_replacing_a_value_does_not_rebind_unrelated_equal_values(fake):
 def test_module_patch_provides_and_removes_a_module():
     import types
 
-    from mm_adaptor.patching import ModulePatch
+    from mm_adaptor.core.patching import ModulePatch
 
     shim = types.ModuleType("mm_test_shim_module")
     patch = ModulePatch("mm_test_shim_module", shim)
@@ -585,7 +585,7 @@ class _FingerprintChild(_FingerprintBase):
 def test_the_fingerprint_command_reads_the_target_as_a_contract_does(capsys):
     """`mm-adaptor fingerprint` resolves its target through Patch._raw_attribute, as a contract's check does."""
     from mm_adaptor.cli import fingerprint_main
-    from mm_adaptor.patching import Patch
+    from mm_adaptor.core.patching import Patch
 
     raw, _ = Patch._raw_attribute(_FingerprintChild, "build")
     assert raw is _FingerprintBase.__dict__["build"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mm_adaptor.launcher import LaunchError, launch
+from mm_adaptor.ranks.launcher import LaunchError, launch
 
 nanobind = pytest.importorskip("nanobind")
 

@@ -11,13 +11,15 @@ import time
 
 import pytest
 
-from mm_adaptor import launcher, rank_process
-from mm_adaptor.launcher import launch
+from mm_adaptor.ranks import launcher
+
+from mm_adaptor.ranks import process
+from mm_adaptor.ranks.launcher import launch
 
 
 def _record(path):
     state = {
-        "preloaded": "mm_adaptor.rank_preload" in sys.modules and "megatron.core" in sys.modules,
+        "preloaded": "mm_adaptor.ranks.preload" in sys.modules and "megatron.core" in sys.modules,
         "parent": os.getppid(),
         "marker": os.environ.get("MM_ADAPTOR_TEST_MARKER"),
         "torch_marker": os.environ.get("TORCH_TEST_MARKER"),
@@ -44,7 +46,7 @@ def _patch_megatron_and_report(path):
 def fork_server(monkeypatch):
     if "forkserver" not in __import__("multiprocessing").get_all_start_methods():
         pytest.skip("this OS cannot fork")
-    monkeypatch.delenv(rank_process.RANK_START_ENV, raising=False)
+    monkeypatch.delenv(process.RANK_START_ENV, raising=False)
 
 
 def test_ranks_fork_from_the_preloaded_server_and_nothing_leaks_between_runs(tmp_path, fork_server):
@@ -105,13 +107,13 @@ def _record_nothing():
 
 
 def test_spawn_on_request(monkeypatch):
-    monkeypatch.setenv(rank_process.RANK_START_ENV, "spawn")
+    monkeypatch.setenv(process.RANK_START_ENV, "spawn")
     assert launcher.rank_context().get_start_method() == "spawn"
 
 
 _CALLER = textwrap.dedent('''
     import sys, warnings
-    from mm_adaptor.launcher import launch
+    from mm_adaptor.ranks.launcher import launch
 
     def hello():
         import os
@@ -132,7 +134,7 @@ def test_a_forked_rank_writes_to_the_launcher_s_stdout_as_it_is_now(tmp_path, fo
     script.write_text(_CALLER)
     moved = tmp_path / "moved.txt"
     first = subprocess.run([sys.executable, str(script), str(moved)], capture_output=True, text=True, timeout=300,
-                           env={k: v for k, v in os.environ.items() if k != rank_process.RANK_START_ENV})
+                           env={k: v for k, v in os.environ.items() if k != process.RANK_START_ENV})
     assert first.returncode == 0, first.stderr
     assert first.stdout.count("hello from rank 0") == 1, first.stdout
     assert moved.read_text().count("hello from rank 0") == 1, "the second rank wrote to the server's stdout"

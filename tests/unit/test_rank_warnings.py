@@ -4,13 +4,11 @@ import io
 import logging
 import warnings
 
-from mm_adaptor import rank_warnings
-
-
+from mm_adaptor.ranks import warning_digest
 def test_each_warning_once_and_harmless_notices_summarised(monkeypatch):
-    monkeypatch.delenv(rank_warnings.VERBOSE_ENV, raising=False)
+    monkeypatch.delenv(warning_digest.VERBOSE_ENV, raising=False)
     stream = io.StringIO()
-    printer = rank_warnings.WarningPrinter(stream)
+    printer = warning_digest.WarningPrinter(stream)
     for _ in range(3):
         printer.add("UserWarning: Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
         printer.add("UserWarning: Apex is not installed. Falling back to Torch Norm")
@@ -23,9 +21,9 @@ def test_each_warning_once_and_harmless_notices_summarised(monkeypatch):
 
 
 def test_verbose_shows_everything(monkeypatch):
-    monkeypatch.setenv(rank_warnings.VERBOSE_ENV, "1")
+    monkeypatch.setenv(warning_digest.VERBOSE_ENV, "1")
     stream = io.StringIO()
-    printer = rank_warnings.WarningPrinter(stream)
+    printer = warning_digest.WarningPrinter(stream)
     printer.add("UserWarning: Apex is not installed. Falling back to Torch Norm")
     printer.close()
     assert stream.getvalue() == "warning: UserWarning: Apex is not installed. Falling back to Torch Norm\n"
@@ -37,7 +35,7 @@ def test_a_rank_forwards_python_and_logged_warnings(monkeypatch):
     root = logging.getLogger()
     handlers = list(root.handlers)
     try:
-        rank_warnings.forward_rank_output(sent.append)
+        warning_digest.forward_rank_output(sent.append)
         warnings.warn("careful", UserWarning, stacklevel=1)
         rng_logger = logging.getLogger("megatron.core.tensor_parallel.random")
         rng_logger.warning("CPU RNG state changed within GPU RNG context")
@@ -59,15 +57,15 @@ class _SharedStore:
 
 
 def _printer(monkeypatch):
-    monkeypatch.delenv(rank_warnings.VERBOSE_ENV, raising=False)
+    monkeypatch.delenv(warning_digest.VERBOSE_ENV, raising=False)
     stream = io.StringIO()
-    return rank_warnings.WarningPrinter(stream), stream
+    return warning_digest.WarningPrinter(stream), stream
 
 
 def test_each_ranks_warnings_reach_the_user_once_through_the_shared_store(monkeypatch):
     printer, stream = _printer(monkeypatch)
     store = _SharedStore()
-    ranks = [rank_warnings.RankWarnings(rank, store, printer) for rank in range(3)]
+    ranks = [warning_digest.RankWarnings(rank, store, printer) for rank in range(3)]
     for rank, warned in enumerate(ranks):
         for _ in range(2):
             warned.add("UserWarning: said by every rank")
@@ -86,7 +84,7 @@ def test_each_ranks_warnings_reach_the_user_once_through_the_shared_store(monkey
 
 def test_without_a_store_another_rank_prints_its_own_warnings(monkeypatch):
     printer, stream = _printer(monkeypatch)
-    warned = rank_warnings.RankWarnings(1, None, printer)
+    warned = warning_digest.RankWarnings(1, None, printer)
     warned.add("UserWarning: careful")
     warned.add("UserWarning: careful")
     assert stream.getvalue() == "warning: rank 1: UserWarning: careful\n"
@@ -94,10 +92,10 @@ def test_without_a_store_another_rank_prints_its_own_warnings(monkeypatch):
 
 TORCHRUN_SCRIPT = """
 import os, warnings
-from mm_adaptor import rank_warnings
+from mm_adaptor.ranks import warning_digest
 rank = int(os.environ["RANK"])
 warnings.simplefilter("always")
-rank_warnings.print_every_ranks_warnings_once(rank)
+warning_digest.print_every_ranks_warnings_once(rank)
 warnings.warn("said by every rank")
 warnings.warn(f"said by rank {rank} only")
 warnings.warn("said by every rank")
@@ -108,7 +106,7 @@ def test_under_torchrun_every_ranks_distinct_warnings_are_printed_once(tmp_path)
     import subprocess
     import sys
 
-    from mm_adaptor.launcher import free_port
+    from mm_adaptor.ranks.launcher import free_port
 
     script = tmp_path / "warn.py"
     script.write_text(TORCHRUN_SCRIPT)
@@ -127,16 +125,16 @@ def test_a_command_that_is_a_rank_forwards_each_warning_once(monkeypatch):
     """Under torchrun the command's own forwarding hands over to the rank's: a logged warning reaches one sender."""
     import logging
 
-    monkeypatch.delenv(rank_warnings.VERBOSE_ENV, raising=False)
+    monkeypatch.delenv(warning_digest.VERBOSE_ENV, raising=False)
     root = logging.getLogger()
     handlers, show = list(root.handlers), warnings.showwarning
     sent = []
     try:
-        with rank_warnings.own_warnings_as_the_ranks():
-            rank_warnings.forward_rank_output(sent.append)
+        with warning_digest.own_warnings_as_the_ranks():
+            warning_digest.forward_rank_output(sent.append)
             logging.getLogger("megatron.core").warning("said once")
     finally:
         root.handlers[:] = handlers
         warnings.showwarning = show
     assert sent == ["Warning: said once"]
-    assert "Warning: said once" not in rank_warnings.PRINTER.shown, "the command's forwarding printed it too"
+    assert "Warning: said once" not in warning_digest.PRINTER.shown, "the command's forwarding printed it too"

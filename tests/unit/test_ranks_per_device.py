@@ -5,7 +5,9 @@ falls back to its single-rank layout on a node with one GPU. The CUDA backend's 
 import pytest
 import torch
 
-from mm_adaptor import cli_check, devices
+from mm_adaptor import devices
+
+from mm_adaptor.cli import check
 from mm_adaptor.devices.cpu import CpuBackend
 from mm_adaptor.devices.cuda import CudaBackend
 from mm_adaptor.harness.compare import LAYOUTS, checked_args, ranks_for
@@ -37,7 +39,7 @@ def test_two_ranks_on_one_gpu_are_refused_before_launch(one_gpu_node):
 
 
 def test_check_defaults_to_the_single_rank_layout_on_one_gpu(one_gpu_node, capsys):
-    assert cli_check._default_check_layout() == "single"
+    assert check._default_check_layout() == "single"
     assert "layout single (this node has 1 CUDA device" in capsys.readouterr().out
     assert ranks_for("single") == 1
     assert checked_args([*LAYOUTS["single"], "--nproc-per-node", "1"]).nproc_per_node == 1
@@ -46,5 +48,5 @@ def test_check_defaults_to_the_single_rank_layout_on_one_gpu(one_gpu_node, capsy
 def test_check_keeps_tp2_sp_where_ranks_share_the_host(monkeypatch):
     monkeypatch.setattr(devices, "current", lambda: None)
     monkeypatch.setattr(devices, "choose", lambda: ("cpu", "simulated"))
-    assert cli_check._default_check_layout() == "tp2-sp"
+    assert check._default_check_layout() == "tp2-sp"
     assert ranks_for("tp2-sp") == 2

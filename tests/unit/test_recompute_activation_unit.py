@@ -9,7 +9,7 @@ import torch
 import mm_adaptor
 from refusals import assert_refused_in_one_line
 
-from mm_adaptor.features import get
+from mm_adaptor.core.features import get
 
 
 def options(**kw):

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from mm_adaptor import schedule
-
+from mm_adaptor.cli import schedule
 NO_COMMUNICATION = schedule.Costs(forward=1e-3, backward=2e-3)
 
 

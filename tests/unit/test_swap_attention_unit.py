@@ -10,7 +10,7 @@ import torch
 import mm_adaptor
 from refusals import assert_refused_in_one_line
 
-from mm_adaptor.features import get
+from mm_adaptor.core.features import get
 
 
 def options(**kw):
@@ -107,7 +107,7 @@ def step(model, accountant=None):
 
 
 def run(extra, steps=1):
-    from mm_adaptor.memory import SavedTensorAccountant
+    from mm_adaptor.devices.memory import SavedTensorAccountant
 
     model = build(extra)
     try:

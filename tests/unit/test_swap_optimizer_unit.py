@@ -69,7 +69,7 @@ def test_main_parameters_are_host_copies_again_when_no_step_follows_prepare_grad
     """Megatron hands each main parameter its gradient in prepare_grads; the step may not follow (an overflow, or
     megatron-core 0.19's ChainedOptimizer skipping the update above grad_norm_skip_threshold), and a checkpoint
     saved then reads the main parameters: they are their host copies, with the values they had."""
-    from mm_adaptor.memory import STATE_HOLDER
+    from mm_adaptor.devices.memory import STATE_HOLDER
     from mm_adaptor.patches.optimizer.swap_optimizer import Patches
 
     models_ref, mains_ref = shards(0)

@@ -4,9 +4,11 @@ no run was recorded (a CUDA "verified" names the GPU session's results; the fake
 
 import re
 
-from mm_adaptor import devices, features, verification
+from mm_adaptor import devices
 
+from mm_adaptor.core import features
 
+from mm_adaptor.core import verification
 def test_every_feature_has_a_record_for_every_device():
     """The built-in features (test and calibration features registered by other tests are not the product's)."""
     for feature in features.built_in_features():
@@ -35,7 +37,7 @@ def test_the_summary_names_each_device():
 
 
 def test_report_shows_each_feature_on_each_device(monkeypatch):
-    from mm_adaptor.cli_report import report_lines
+    from mm_adaptor.cli.report import report_lines
 
     monkeypatch.setenv(devices.DEVICE_ENV, "cpu")
     text = "\n".join(report_lines())

@@ -12,10 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from mm_adaptor import contracts, fingerprints
-from mm_adaptor.megatron_fingerprints import BASE, FINGERPRINTS
-from mm_adaptor.patching import Contract, Patch, PatchContractError, PatchContractWarning, PatchSet, resolve
-from mm_adaptor.versions import _switched_on, feature_states, feature_version_report, registered_megatron_patches
+from mm_adaptor.versions import contracts
+
+from mm_adaptor.versions import source_fingerprint
+from mm_adaptor.versions.fingerprint_table import BASE, FINGERPRINTS
+from mm_adaptor.core.patching import Contract, Patch, PatchContractError, PatchContractWarning, PatchSet, resolve
+from mm_adaptor.versions.serving import (_switched_on, feature_states, feature_version_report,
+                                         registered_megatron_patches)
 
 ROOT = Path(__file__).resolve().parents[2]
 CHANGED = "megatron.core.transformer.mlp.MLP.forward"
@@ -38,7 +41,7 @@ def fresh_live_cache(monkeypatch):
 
 
 def installed_megatron_core(patch) -> bool:
-    module = fingerprints.installed_module(patch.target)
+    module = source_fingerprint.installed_module(patch.target)
     return module is not None and module.startswith("megatron.core")
 
 
@@ -65,7 +68,7 @@ def test_table_matches_the_installed_release_for_every_registered_target(registe
 def test_the_source_resolution_finds_the_object_python_imports(registered):
     """The fingerprint is read from the definition the static resolution finds; it must be the live object's."""
     checked = 0
-    resolver = fingerprints.Resolver(fingerprints.installed_source)
+    resolver = source_fingerprint.Resolver(source_fingerprint.installed_source)
     for target in sorted({p.target for p in registered if installed_megatron_core(p)}):
         if contracts.live_fingerprint(target) is None:  # not defined in this release (GroupedMLP from 0.17 on)
             continue
@@ -109,7 +112,7 @@ def reader(sources):
 
 
 def print_of(target, source):
-    return fingerprints.fingerprint_target(target, reader({"pkg.mod": source, "pkg.base": BASE_SOURCE}))
+    return source_fingerprint.fingerprint_target(target, reader({"pkg.mod": source, "pkg.base": BASE_SOURCE}))
 
 
 def test_comments_docstrings_and_formatting_do_not_count_but_code_does():
@@ -124,23 +127,23 @@ def test_comments_docstrings_and_formatting_do_not_count_but_code_does():
 def test_fields_a_newer_python_adds_empty_do_not_count(monkeypatch):
     """Python 3.12 added FunctionDef.type_params (empty here): the table made on one Python must match on another."""
     node = ast.parse("def f(x):\n    return x\n").body[0]
-    before = fingerprints.fingerprint_statements([node])
+    before = source_fingerprint.fingerprint_statements([node])
     monkeypatch.setattr(ast.FunctionDef, "_fields", (*ast.FunctionDef._fields, "added_later"))
     node.added_later = []
-    assert fingerprints.fingerprint_statements([node]) == before
+    assert source_fingerprint.fingerprint_statements([node]) == before
     node.added_later = [ast.Name("T")]
-    assert fingerprints.fingerprint_statements([node]) != before
+    assert source_fingerprint.fingerprint_statements([node]) != before
 
 
 def test_inherited_methods_are_found_in_the_base_module():
     inherited = print_of("pkg.mod.C.h", V1)
     assert inherited is not None
-    assert inherited == fingerprints.fingerprint_target("pkg.base.Base.h", reader({"pkg.base": BASE_SOURCE}))
+    assert inherited == source_fingerprint.fingerprint_target("pkg.base.Base.h", reader({"pkg.base": BASE_SOURCE}))
 
 
 def test_signature_only_ignores_the_body_not_the_parameters():
     def sig(source):
-        return fingerprints.fingerprint_target("pkg.mod.f", reader({"pkg.mod": source}), signature_only=True)
+        return source_fingerprint.fingerprint_target("pkg.mod.f", reader({"pkg.mod": source}), signature_only=True)
 
     assert sig(V1) == sig(V1.replace("x + y", "x * y + 1")) == sig(V1.replace("def f(x, y=2)", "def f(x: int, y=2)"))
     assert sig(V1) != sig(V1.replace("def f(x, y=2)", "def f(x, y=3)"))
@@ -152,8 +155,8 @@ def test_signature_only_ignores_the_body_not_the_parameters():
 
 def edit_one_line(target):
     """The installed sources with one statement added at the end of `target`'s body."""
-    installed = fingerprints.installed_source
-    found = fingerprints.Resolver(installed).find(target)
+    installed = source_fingerprint.installed_source
+    found = source_fingerprint.Resolver(installed).find(target)
     last = found.statements[-1].body[-1]
     lines = found.source.splitlines(keepends=True)
     lines.insert(last.end_lineno, " " * last.col_offset + "pass\n")
@@ -165,13 +168,12 @@ def edit_one_line(target):
 def mlp_forward_changed(monkeypatch):
     for name in ("fused-swiglu", "recompute-activation-function"):  # as if verified on the base release only
         monkeypatch.setitem(contracts.VERIFIED_ON, name, (BASE,))
-    monkeypatch.setattr(fingerprints, "installed_source", edit_one_line(CHANGED))
+    monkeypatch.setattr(source_fingerprint, "installed_source", edit_one_line(CHANGED))
     assert contracts.live_fingerprint(CHANGED) != FINGERPRINTS[CHANGED][BASE]
 
 
 def apply_feature(name):
-    from mm_adaptor import features
-
+    from mm_adaptor.core import features
     feature = features.get(name)
     sets = feature.patch_sets(_switched_on(feature))
     done = []
@@ -309,7 +311,8 @@ def test_the_script_fingerprints_each_tag_from_its_source(tmp_path):
                                     ["megatron.core.mod.f"]), namespace)
     prints = namespace["FINGERPRINTS"]["megatron.core.mod.f"]
     assert prints["1.0.0"] == prints["1.1.0"] != prints["1.2.0"] and prints["1.3.0"] is None
-    assert prints["1.0.0"] == fingerprints.fingerprint_target("megatron.core.mod.f", reader({"megatron.core.mod": V1}))
+    first = source_fingerprint.fingerprint_target("megatron.core.mod.f", reader({"megatron.core.mod": V1}))
+    assert prints["1.0.0"] == first
     assert namespace["CHANGED_LINES"]["megatron.core.mod.f"] == {"1.1.0": 0, "1.2.0": 2, "1.3.0": 3}
 
 
@@ -319,8 +322,8 @@ def test_importing_the_adaptor_beside_a_release_outside_the_range_warns_once(tmp
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.20.1\n")
     script = ("import warnings; warnings.simplefilter('always')\n"
-              "import mm_adaptor.patching, mm_adaptor.features\n"
-              "from mm_adaptor import contracts\n"
+              "import mm_adaptor.core.patching, mm_adaptor.core.features\n"
+              "from mm_adaptor.versions import contracts\n"
               "assert contracts.installed_version() == '0.20.1'\n"
               "contracts.warn_if_outside_range()\n"
               "print(contracts.megatron_problem('optimize-vocab-parallel-ce', "

@@ -6,7 +6,9 @@ import types
 
 import pytest
 
-from mm_adaptor import devices, features
+from mm_adaptor import devices
+
+from mm_adaptor.core import features
 from mm_adaptor.feature_flags.virtual_optimizer import NPU_REFUSAL, VirtualOptimizer
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from refusals import assert_refused_in_one_line
 
-from mm_adaptor.features import get
+from mm_adaptor.core.features import get
 from mm_adaptor.patches.pipeline.vpp_extra_warmup import warmup_with_extra
 
 

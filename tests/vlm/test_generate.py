@@ -28,7 +28,7 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path, shapes):
     from transformers import Qwen2VLImageProcessor
 
     from mm_adaptor.data import load_tokenizer
-    from mm_adaptor.generate import prompt_inputs
+    from mm_adaptor.cli.generate import prompt_inputs
     from mm_adaptor.models.qwen2_5_vl import tiny_config
     from mm_adaptor.models.qwen2_5_vl.make_tiny_hf import make_tiny_hf
 

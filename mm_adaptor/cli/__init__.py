@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import sys
 
-from mm_adaptor.one_line_parser import ArgumentParser, did_you_mean
-from mm_adaptor.cli_check import calibrate_main, check_main
-from mm_adaptor.cli_report import report_main
+from mm_adaptor.core.one_line_parser import ArgumentParser, did_you_mean
+from mm_adaptor.cli.check import calibrate_main, check_main
+from mm_adaptor.cli.report import report_main
 
 
 def build_ops_main(argv: list[str]) -> int:
@@ -40,7 +40,7 @@ def fingerprint_main(argv: list[str]) -> int:
                                         "module.Class.method), for patch authors.")
     parser.add_argument("targets", nargs="+", metavar="DOTTED.TARGET")
     args = parser.parse_args(argv)
-    from mm_adaptor.patching import _MISSING, Patch, PatchError, fingerprint, resolve
+    from mm_adaptor.core.patching import _MISSING, Patch, PatchError, fingerprint, resolve
 
     lines = []
     for target in args.targets:  # all resolved before anything is printed
@@ -65,7 +65,7 @@ def _train_main(argv: list[str]) -> int:
 
 
 def _schedule_main(argv: list[str]) -> int:
-    from mm_adaptor.schedule import main as schedule_main
+    from mm_adaptor.cli.schedule import main as schedule_main
 
     return schedule_main(argv)
 
@@ -92,7 +92,7 @@ COMMANDS = {
     "convert": (_convert_main, "convert checkpoints: hf-to-mcore, mcore-to-hf (see mm-adaptor convert --help)"),
     "data": (_data_main, "training data: llava-to-messages, make-shapes, check (see mm-adaptor data --help)"),
     "schedule": (_schedule_main, "simulate pipeline schedules: step time, bubble, memory, timeline picture"),
-    "generate": (lambda argv: __import__("mm_adaptor.generate", fromlist=["main"]).main(argv),
+    "generate": (lambda argv: __import__("mm_adaptor.cli.generate", fromlist=["main"]).main(argv),
                  "greedy decoding with a Qwen2.5-VL checkpoint (see mm-adaptor generate --help)"),
 }
 
@@ -109,8 +109,8 @@ def main(argv=None) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     if command in COMMANDS:
-        from mm_adaptor.launcher import Interrupted, report_interruptions
-        from mm_adaptor.rank_warnings import PRINTER, own_warnings_as_the_ranks
+        from mm_adaptor.ranks.launcher import Interrupted, report_interruptions
+        from mm_adaptor.ranks.warning_digest import PRINTER, own_warnings_as_the_ranks
 
         report_interruptions()
         try:
@@ -130,6 +130,3 @@ def main(argv=None) -> int:
     hint = did_you_mean(command, COMMANDS)
     parser.fail(f"unknown command {command}" + (f": {hint}" if hint else "") + parser.help_pointer())
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,8 +7,8 @@ import os
 import platform
 import textwrap
 
-from mm_adaptor.one_line_parser import ArgumentParser
-from mm_adaptor.rank_warnings import ShowEveryWarning
+from mm_adaptor.core.one_line_parser import ArgumentParser
+from mm_adaptor.ranks.warning_digest import ShowEveryWarning
 
 
 def report_main(argv: list[str]) -> int:
@@ -48,7 +48,11 @@ def report_lines():
     lines = []
     import torch
 
-    from mm_adaptor import devices, features, verification
+    from mm_adaptor import devices
+
+    from mm_adaptor.core import features
+
+    from mm_adaptor.core import verification
     from mm_adaptor.ops import status as ops_status
 
     name, why = devices.choose()
@@ -89,7 +93,7 @@ def report_lines():
             record = verification.record(feature.name, device)
             lines.extend(_wrapped(device, f"{record.state}: {record.evidence}"))
     lines.append("")
-    from mm_adaptor.versions import feature_version_report
+    from mm_adaptor.versions.serving import feature_version_report
 
     lines.append("megatron-core versions")
     lines.extend(feature_version_report())

@@ -1,12 +1,12 @@
 """Fill the generated blocks of README.md and docs/features/*.md from the feature registry.
 
-    python -m mm_adaptor.docs_gen            # rewrite the blocks
-    python -m mm_adaptor.docs_gen --check    # exit 1, naming each file and block, when a block is stale
+    python -m mm_adaptor.cli.docs_gen            # rewrite the blocks
+    python -m mm_adaptor.cli.docs_gen --check    # exit 1, naming each file and block, when a block is stale
 
 A block is the text between `<!-- generated:NAME -->` and `<!-- /generated -->`; everything outside the blocks is
 written by hand. What goes in them comes from the code, so the documents cannot drift from it:
 - README.md, block `features-table`: one row per feature (main flag and tuning flags, the one line its page gives
-  after `**What it buys:**`, the tolerance, the devices mm_adaptor/verification.py records it as verified on, and
+  after `**What it buys:**`, the tolerance, the devices mm_adaptor/core/verification.py records it as verified on, and
   the link to its page);
 - docs/features/<name>.md, block `flags`: every flag with its type, default and help, the tolerance and its reason,
   the features it requires or conflicts with, and the refusals: each message is what the feature's own validate()
@@ -31,15 +31,14 @@ BEGIN = "<!-- generated:{name} -->"
 END = "<!-- /generated -->"
 BLOCK = re.compile(r"<!-- generated:(?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /generated -->", re.S)
 SUMMARY = re.compile(r"^\*\*What it buys:\*\* (?P<text>.+)$", re.M)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # The options every refusal probe (Feature.refusal_probes) starts from.
 _LOCAL = {"transformer_impl": "local"}
 
 
 def builtin_features():
-    from mm_adaptor import features
-
+    from mm_adaptor.core import features
     return features.built_in_features()
 
 
@@ -75,8 +74,7 @@ def tolerance_short(feature) -> str:
 
 
 def devices_short(feature) -> str:
-    from mm_adaptor import verification
-
+    from mm_adaptor.core import verification
     records = {d: verification.record(feature.name, d) for d in verification.DEVICES}
     verified = [d.upper() for d, r in records.items() if r.state == "verified"]
     stand_in = [d.upper() for d, r in records.items() if r.state == "stand-in"]
@@ -106,8 +104,7 @@ def features_table(root: Path, features) -> str:
 
 
 def _probe_options(settings: dict):
-    from mm_adaptor import features
-
+    from mm_adaptor.core import features
     options = argparse.Namespace(**_LOCAL)
     features.fill_defaults(options)
     for key, value in settings.items():
@@ -117,7 +114,7 @@ def _probe_options(settings: dict):
 
 def refusals(feature) -> list[tuple[str, str]]:
     """(probe, message) for each probe of the feature; a probe the feature accepts is an error."""
-    from mm_adaptor.features import FeatureConfigError
+    from mm_adaptor.core.features import FeatureConfigError
 
     found = []
     for label, settings in feature.refusal_probes:
@@ -141,8 +138,7 @@ def flags_block(feature) -> str:
     lines.append("")
     lines.append(f"Tolerance against unpatched Megatron: **{_cell(feature.tolerance.describe())}**.")
     lines.append("")
-    from mm_adaptor import features
-
+    from mm_adaptor.core import features
     def names(which):
         return ", ".join(f"`{features.get(n).main_flag.option}`" for n in which) or "none"
 
@@ -162,8 +158,7 @@ def megatron_versions(feature) -> str:
 
 
 def devices_block(feature) -> str:
-    from mm_adaptor import verification
-
+    from mm_adaptor.core import verification
     lines = ["| device | state | evidence |", "|---|---|---|"]
     for device in verification.DEVICES:
         record = verification.record(feature.name, device)
@@ -178,8 +173,7 @@ def devices_block(feature) -> str:
 
 
 def devices_matrix(features) -> str:
-    from mm_adaptor import verification
-
+    from mm_adaptor.core import verification
     lines = ["| feature | " + " | ".join(verification.DEVICES) + " | megatron-core verified |",
              "|---|" + "---|" * (len(verification.DEVICES) + 1)]
     for feature in sorted(features, key=lambda f: f.name):
@@ -259,7 +253,7 @@ def write(root: Path = ROOT, features=None) -> tuple[list[Path], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mm_adaptor.docs_gen", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mm_adaptor.cli.docs_gen", description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="report stale blocks and exit 1 instead of writing")
     parser.add_argument("--root", type=Path, default=ROOT, help="repository root (default: this checkout)")
     args = parser.parse_args(argv)
@@ -268,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"docs_gen: {problem}")
         if problems:
-            print("docs_gen: run `python -m mm_adaptor.docs_gen` and commit the result")
+            print("docs_gen: run `python -m mm_adaptor.cli.docs_gen` and commit the result")
         return 1 if problems else 0
     changed, problems = write(args.root)
     for path in changed:

@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from mm_adaptor import contracts
-
-
+from mm_adaptor.versions import contracts
 @dataclass(frozen=True)
 class RegisteredPatch:
     owner: str  # the feature or patch set's name (what VERIFIED_ON is keyed by)
@@ -23,8 +21,7 @@ class RegisteredPatch:
 
 def _switched_on(feature) -> argparse.Namespace:
     """Options with the feature's main flag on (the value it takes given alone), everything else at defaults."""
-    from mm_adaptor import features
-
+    from mm_adaptor.core import features
     options = features.fill_defaults(argparse.Namespace())
     flag = feature.main_flag
     if flag.is_switch:
@@ -45,7 +42,7 @@ def _device_and_hook_patch_sets(errors: list[str]) -> list:
     from mm_adaptor.devices.npu import NpuBackend
     from mm_adaptor.devices.redirect import rng_state_patches
     from mm_adaptor.devices import megatron_compat
-    from mm_adaptor.patching import PatchSet
+    from mm_adaptor.core.patching import PatchSet
 
     sets = [*megatron_compat.every_device_patch_sets(), megatron_lm._arguments_patch_set(),
             megatron_lm._yaml_patch_set()]
@@ -65,8 +62,7 @@ def _device_and_hook_patch_sets(errors: list[str]) -> list:
 def registered_megatron_patches(errors: list[str] | None = None) -> list[RegisteredPatch]:
     """Every patch on megatron-core the project can apply (built, not applied), sorted by target; a patch-set
     factory that cannot run here is noted in `errors`."""
-    from mm_adaptor import features
-
+    from mm_adaptor.core import features
     errors = [] if errors is None else errors
     sets = []
     for feature in features.all_features():
@@ -105,7 +101,7 @@ class FeatureVersions:
 
 def _pin_problem(patch: RegisteredPatch) -> str | None:
     """The contract's explicit pin (`fingerprint=`) checked against the installed original, which it imports."""
-    from mm_adaptor.patching import _MISSING, Patch, PatchError, resolve
+    from mm_adaptor.core.patching import _MISSING, Patch, PatchError, resolve
 
     try:
         owner, name = resolve(patch.target)
@@ -120,7 +116,7 @@ def _pin_problem(patch: RegisteredPatch) -> str | None:
 def feature_states(installed: str | None = None) -> list[FeatureVersions]:
     """Per feature (or patch set), its verified versions and whether each megatron-core target it patches is
     unchanged here (the check applying it makes)."""
-    from mm_adaptor.fingerprints import installed_module
+    from mm_adaptor.versions.source_fingerprint import installed_module
 
     installed = installed or contracts.installed_version() or "?"
     by_owner: dict[str, list[RegisteredPatch]] = {}
@@ -146,7 +142,7 @@ def feature_states(installed: str | None = None) -> list[FeatureVersions]:
 def changed_targets() -> dict[str, dict[str, int | None]]:
     """target -> {version: lines of diff since the base release, 0 when its code is the same (comments and
     formatting aside), None when it is not defined there}, from the table."""
-    from mm_adaptor.megatron_fingerprints import BASE, CHANGED_LINES, FINGERPRINTS
+    from mm_adaptor.versions.fingerprint_table import BASE, CHANGED_LINES, FINGERPRINTS
 
     def lines(target: str, version: str) -> int | None:
         recorded = FINGERPRINTS[target]
@@ -161,7 +157,7 @@ def changed_targets() -> dict[str, dict[str, int | None]]:
 def feature_version_report() -> list[str]:
     """Lines for `mm-adaptor report`: each feature's verified versions and state on the installed megatron-core,
     then which patched upstream functions changed in later releases (lines of diff; '-' unchanged)."""
-    from mm_adaptor.megatron_fingerprints import BASE, VERSIONS
+    from mm_adaptor.versions.fingerprint_table import BASE, VERSIONS
 
     installed = contracts.installed_version() or "not installed"
     lines = [f"megatron-core {installed} (installs beside {contracts.SUPPORTED_MEGATRON_CORE}); per feature, "

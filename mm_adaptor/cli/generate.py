@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
-from mm_adaptor.one_line_parser import ArgumentParser
+from mm_adaptor.core.one_line_parser import ArgumentParser
 
 
 def build_parser() -> ArgumentParser:
@@ -93,7 +93,7 @@ def one_process_megatron():
     from megatron.core import parallel_state, tensor_parallel
 
     from mm_adaptor import devices
-    from mm_adaptor.launcher import free_port
+    from mm_adaptor.ranks.launcher import free_port
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     if args.image and not Path(args.image).is_file():
         parser.fail(f"--image {args.image}: no such file")
     from mm_adaptor.data import DataError, load_tokenizer
-    from mm_adaptor.rank_warnings import verbose
+    from mm_adaptor.ranks.warning_digest import verbose
 
     if not verbose():  # library notices (no Transformer Engine/Apex, deprecations) are noise here
         warnings.simplefilter("ignore")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mm_adaptor.features import BASE_RELEASE  # noqa: F401  (the features' declarations take it from here too)
+from mm_adaptor.core.features import BASE_RELEASE  # noqa: F401  (the features' declarations take it from here too)
 
 DEVICES = ("cpu", "cuda", "npu")
 STATES = ("verified", "stand-in", "failed", "not run")
@@ -89,8 +89,7 @@ UNRECORDED = Record("not run", "no run recorded for this feature (not one of mm_
 
 def records(feature: str) -> dict[str, Record]:
     """What the feature's declaration records per device; nothing for a name the registry does not know."""
-    from mm_adaptor import features
-
+    from mm_adaptor.core import features
     try:
         return dict(features.get(feature).devices)
     except KeyError:

@@ -6,7 +6,7 @@ are applied in the rank, after the fork."""
 
 from __future__ import annotations
 
-from mm_adaptor.rank_warnings import forwarding
+from mm_adaptor.ranks.warning_digest import forwarding
 
 MODULES = (
     "torch",

@@ -13,7 +13,7 @@ import traceback
 from queue import Empty
 from typing import Any, Callable
 
-from mm_adaptor.rank_process import (PRELOAD_MODULE, die_with_launcher, end_rank, free_port, is_process_helper,
+from mm_adaptor.ranks.process import (PRELOAD_MODULE, die_with_launcher, end_rank, free_port, is_process_helper,
                                      rank_context, stdio_for)
 
 __all__ = ["LaunchError", "Interrupted", "launch", "free_port", "under_launcher", "report_progress",
@@ -59,13 +59,13 @@ def under_launcher() -> bool:
 
 def _forward_warnings_to(queue) -> None:
     """A rank's warnings (Python's and logged ones) go to the launcher, which prints each distinct one once."""
-    from mm_adaptor.rank_warnings import forward_rank_output
+    from mm_adaptor.ranks.warning_digest import forward_rank_output
 
     forward_rank_output(queue.put)
 
 
 def _print_new_warnings(queue) -> None:
-    from mm_adaptor.rank_warnings import PRINTER
+    from mm_adaptor.ranks.warning_digest import PRINTER
 
     while True:
         try:

@@ -1,7 +1,7 @@
 """Patch contracts: what a patch was verified against, checked before it is applied.
 
 For megatron-core a contract is per upstream function, not per version range: every target has a fingerprint
-of its code in each tagged megatron-core release (mm_adaptor/megatron_fingerprints.py, made by
+of its code in each tagged megatron-core release (mm_adaptor/versions/fingerprint_table.py, made by
 scripts/fingerprint_megatron.py), and each feature records the versions it was verified on. A patch serves when
 the installed target's code is that of a verified version, whatever the installed version; otherwise only the
 features patching that function refuse, in one line naming it. A megatron-core outside SUPPORTED_MEGATRON_CORE
@@ -22,12 +22,12 @@ import wrapt
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from mm_adaptor import fingerprints
-from mm_adaptor.errors import ConfigurationError
+from mm_adaptor.versions import source_fingerprint
+from mm_adaptor.core.errors import ConfigurationError
 
 ALLOW_MISMATCH_ENV = "MM_ADAPTOR_ALLOW_CONTRACT_MISMATCH"
 # The megatron-core releases the project installs beside (pyproject.toml's dependency says the same; a test checks).
-# Outside it: one warning, then each feature by its fingerprints.
+# Outside it: one warning, then each feature by its source_fingerprint.
 SUPPORTED_MEGATRON_CORE = ">=0.16.0,<0.20"
 MEGATRON_CORE = "megatron-core"
 # The megatron-core versions each name was verified on: its regression checks passed there. A feature declares its
@@ -122,7 +122,7 @@ def verified_versions(feature: str) -> tuple[str, ...]:
 
 def recorded_fingerprints(target: str) -> dict[str, str | None] | None:
     """version -> fingerprint of the target in that megatron-core release, None when the table lacks it."""
-    from mm_adaptor.megatron_fingerprints import FINGERPRINTS
+    from mm_adaptor.versions.fingerprint_table import FINGERPRINTS
 
     return FINGERPRINTS.get(target)
 
@@ -133,7 +133,7 @@ _live: dict[str, str | None] = {}
 def live_fingerprint(target: str) -> str | None:
     """The installed target's fingerprint (from its source file, normalised as the table is); None if undefined."""
     if target not in _live:
-        _live[target] = fingerprints.installed_fingerprint(target, signature_only=target in SIGNATURE_ONLY)
+        _live[target] = source_fingerprint.installed_fingerprint(target, signature_only=target in SIGNATURE_ONLY)
     return _live[target]
 
 

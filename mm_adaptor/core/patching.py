@@ -1,6 +1,6 @@
 """Versioned, reversible patches of dotted targets.
 
-A Patch says explicitly whether it replaces or wraps its target, carries a Contract (mm_adaptor.contracts:
+A Patch says explicitly whether it replaces or wraps its target, carries a Contract (mm_adaptor.versions.contracts:
 the original's fingerprint per megatron-core version and the versions its feature was verified on), rebinds
 by-value copies of the original in other imported modules, and reverts all of it exactly, including copies of
 the patched object that modules imported while the patch was active made.
@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import wrapt
 
-from mm_adaptor.contracts import (  # noqa: F401  (the contract API is used through this module)
+from mm_adaptor.versions.contracts import (  # noqa: F401  (the contract API is used through this module)
     ALLOW_MISMATCH_ENV,
     SUPPORTED_MEGATRON_CORE,
     Contract,

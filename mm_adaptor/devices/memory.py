@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-from mm_adaptor.wrapped import unwrap
+from mm_adaptor.core.wrapped import unwrap
 
 
 def _storage_key(t: torch.Tensor):

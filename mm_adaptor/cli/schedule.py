@@ -229,7 +229,7 @@ def svg(results: list[Result], path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from mm_adaptor.one_line_parser import ArgumentParser
+    from mm_adaptor.core.one_line_parser import ArgumentParser
 
     parser = ArgumentParser(prog="mm-adaptor schedule", description=__doc__.split("\n\n")[0])
     parser.add_argument("--pp", type=int, required=True, help="pipeline stages")

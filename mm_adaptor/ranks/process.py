@@ -21,6 +21,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@contextlib.contextmanager
+def own_rendezvous():
+    """MASTER_ADDR/MASTER_PORT on a free local port for a process group of this process alone; the caller's values
+    come back afterwards."""
+    saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 # ---- inside a rank: die with the launcher, taking everything the rank started along ----
 
 _PR_SET_PDEATHSIG = 1
@@ -99,7 +115,7 @@ def _release_fork_server() -> None:
 # ---- how ranks start: forked from a server that imported torch and megatron-core once ----
 
 RANK_START_ENV = "MM_ADAPTOR_RANK_START"  # "fork-server" (the default where the OS can fork) or "spawn"
-PRELOAD_MODULE = "mm_adaptor.rank_preload"
+PRELOAD_MODULE = "mm_adaptor.ranks.preload"
 # What torch and megatron-core do not read at import, so a change needs no new server (the rank gets the current
 # value anyway): mm_adaptor's own settings (read by its code in the rank, e.g. the harness's extra feature modules),
 # the rendezvous, and pytest's per-test marker.

@@ -8,7 +8,7 @@ import math
 import os
 import sys
 
-from mm_adaptor.one_line_parser import ArgumentParser, did_you_mean
+from mm_adaptor.core.one_line_parser import ArgumentParser, did_you_mean
 
 
 def _print_errors(prog: str, error: object) -> int:
@@ -170,15 +170,13 @@ def calibrate_main(argv: list[str]) -> int:
 
 
 def features_all_flags():
-    from mm_adaptor import features
-
+    from mm_adaptor.core import features
     return features.all_flags()
 
 
 def _split_feature_args(argv: list[str], feature_flags: set[str]) -> tuple[list[str], list[str]]:
     """Feature flags (with their values) go to the 'on' run only; everything else to both runs."""
-    from mm_adaptor import features
-
+    from mm_adaptor.core import features
     takes_value = {flag.option for _, flag in features.all_flags() if not flag.is_switch}
     value_optional = {flag.option for _, flag in features.all_flags() if flag.value_optional}
     feature_args, extra = [], []

@@ -11,9 +11,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from mm_adaptor import contracts
-from mm_adaptor.errors import ConfigurationError
-from mm_adaptor.patching import SUPPORTED_MEGATRON_CORE, PatchSet
+from mm_adaptor.versions import contracts
+from mm_adaptor.core.errors import ConfigurationError
+from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, PatchSet
 
 
 class FeatureConfigError(ConfigurationError, ValueError):
@@ -92,7 +92,7 @@ def fused_kernel_tolerance(what_differs: str) -> Tolerance:
 
 def wrap_one(feature_name: str, target: str, wrapper, versions: str = SUPPORTED_MEGATRON_CORE) -> list[PatchSet]:
     """The patch sets of a feature that wraps a single megatron function."""
-    from mm_adaptor.patching import Contract
+    from mm_adaptor.core.patching import Contract
 
     ps = PatchSet(feature_name)
     ps.wrap(target, wrapper, contract=Contract(versions=versions))
@@ -199,7 +199,7 @@ def unregister(name: str) -> None:
 
 # Packages (or modules) of features, named by their distributions' entry points in this group: the built-in ones are
 # pyproject.toml's; a plugin distribution adds its own. Each package's modules not starting with "_" are imported.
-ENTRY_POINT_GROUP = "mm_adaptor.features"
+ENTRY_POINT_GROUP = "mm_adaptor.core.features"
 
 
 def _discover() -> None:
