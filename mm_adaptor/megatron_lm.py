@@ -57,10 +57,11 @@ def _validate_with_overrides(wrapped, args, kwargs, megatron_args):
         _assign(megatron_args, users)
 
 
-def _check_distributed_backend(megatron_args) -> None:
+def _check_device_serves(megatron_args) -> None:
     from mm_adaptor import devices
 
     backend = devices.current() or devices.install()
+    backend.refuse_arguments(megatron_args)
     requested = getattr(megatron_args, "distributed_backend", None)
     if requested is not None:
         default = " (Megatron-LM's default)" if requested == "nccl" else ""
@@ -74,7 +75,7 @@ def _enable_after_validation(wrapped, instance, args, kwargs):
     from mm_adaptor import __version__, devices
     from mm_adaptor.api import applied_features, enable
 
-    _check_distributed_backend(megatron_args)
+    _check_device_serves(megatron_args)
     enable(megatron_args)
     if getattr(megatron_args, "rank", 0) == 0:
         backend = devices.current()

@@ -114,6 +114,19 @@ class DeviceBackend:
         """Raise NoAcceleratorError when `requested` (a process-group backend, named by `asked_by`) needs a
         device this backend was not chosen to replace; `how_to_choose_cpu` is the caller's own way out."""
 
+    def barrier(self) -> None:
+        """dist.barrier on this rank's device, named (torch warns when it has to guess an accelerator's)."""
+        import torch.distributed as dist
+
+        device = self.torch_device()
+        if device.type == "cpu" or device.index is None:
+            dist.barrier()
+        else:
+            dist.barrier(device_ids=[device.index])
+
+    def refuse_arguments(self, args) -> None:
+        """Raise ConfigurationError (one line, naming the flag) for a Megatron-LM option this device cannot serve."""
+
     def install(self) -> None:
         if self.installed:
             return

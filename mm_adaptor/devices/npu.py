@@ -26,6 +26,7 @@ import warnings
 
 import torch
 
+from mm_adaptor.core.errors import ConfigurationError
 from mm_adaptor.devices.base import DeviceBackend, legacy_fused_kernels_present
 from mm_adaptor.devices.redirect import (Redirection, Target, new_group_request, process_group_request,
                                          rng_state_patches)
@@ -34,12 +35,67 @@ from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, Patch, P
 NPU_ONLY = "the NPU backend only"
 REDIRECTED = (
     "current_device", "set_device", "device_count", "synchronize", "empty_cache", "get_rng_state",
-    "set_rng_state", "manual_seed", "manual_seed_all", "default_generators", "Stream", "Event", "current_stream",
+    "set_rng_state", "manual_seed", "manual_seed_all", "Stream", "Event", "current_stream",
     "default_stream", "set_stream", "stream", "device", "memory_allocated", "max_memory_allocated",
     "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats", "reset_max_memory_allocated",
-    "memory_stats", "get_device_properties", "get_device_name", "get_device_capability", "_lazy_call",
+    "memory_stats", "get_device_name", "_lazy_call",
 )
 NPU_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+# What megatron's capability reads get on an NPU, whose torch_npu answers get_device_capability() with None and,
+# before torch_npu 7.2.0, has no `major` in its device properties: Ampere's (8, 0). megatron asks ">= 8" for what
+# an Ascend 910 has (bf16, grouped GEMM) and ">= 10" (Blackwell) for what it has not (no need for
+# CUDA_DEVICE_MAX_CONNECTIONS=1, high-priority NCCL streams).
+MEGATRON_CAPABILITY = (8, 0)
+# Megatron-LM options that need a CUDA-only API the NPU backend does not map: option -> (is it on?, what it needs)
+CUDA_ONLY_OPTIONS = {
+    "cuda_graph_impl": (lambda v: v not in (None, "none"), "CUDA graphs"),
+    "enable_cuda_graph": (bool, "CUDA graphs"),
+    "external_cuda_graph": (bool, "CUDA graphs"),
+    "optimizer_cuda_graph": (bool, "CUDA graphs"),
+    "nccl_ub": (bool, "torch.cuda.MemPool and use_mem_pool (NCCL user buffers)"),
+    "record_memory_history": (bool, "torch.cuda.memory._record_memory_history"),
+    "nvtx_ranges": (bool, "NVTX ranges (torch.cuda.nvtx)"),
+}
+
+
+def megatron_device_capability(device=None) -> tuple[int, int]:
+    capability = torch.npu.get_device_capability(device)
+    return tuple(capability) if capability else MEGATRON_CAPABILITY
+
+
+def megatron_device_properties(device=None):
+    """torch.npu's device properties with the `major`/`minor` megatron reads (get_device_arch_version)."""
+    properties = torch.npu.get_device_properties(device)
+    if hasattr(properties, "major"):
+        return properties
+    names = [n for n in dir(properties) if not n.startswith("_") and not callable(getattr(properties, n))]
+    view = types.SimpleNamespace(**{n: getattr(properties, n) for n in names})
+    view.major, view.minor = MEGATRON_CAPABILITY
+    return view
+
+
+class LazyGenerators(tuple):
+    """torch.cuda.default_generators on the NPU backend: torch.npu's, looked up on each use. torch_npu leaves its
+    tuple empty until lazy initialisation and then binds a new one, so a copy taken at install time stays empty."""
+
+    def _current(self):
+        torch.npu._lazy_init()
+        return torch.npu.default_generators
+
+    def __getitem__(self, index):
+        return self._current()[index]
+
+    def __len__(self):
+        return len(self._current())
+
+    def __iter__(self):
+        return iter(self._current())
+
+    def __bool__(self):
+        return bool(self._current())
+
+    def __repr__(self):
+        return f"LazyGenerators({self._current()!r})"
 
 
 def _npu_target() -> Target:
@@ -186,6 +242,9 @@ class NpuBackend(DeviceBackend):
         for name in REDIRECTED:
             if hasattr(torch.npu, name):
                 calls.replace(f"torch.cuda.{name}", getattr(torch.npu, name), contract=torch_versions)
+        calls.replace("torch.cuda.default_generators", LazyGenerators(), contract=torch_versions)
+        calls.replace("torch.cuda.get_device_capability", megatron_device_capability, contract=torch_versions)
+        calls.replace("torch.cuda.get_device_properties", megatron_device_properties, contract=torch_versions)
         eager_everywhere(calls, torch_versions)
         groups = PatchSet("device:npu:process-groups", needed_on=NPU_ONLY,
                           changes="NCCL process groups (the default one and new_group's) become HCCL; "
@@ -219,6 +278,14 @@ class NpuBackend(DeviceBackend):
             ps.replace("megatron.legacy.fused_kernels.load", _skip, contract=contract)
         ps.replace("megatron.training.dist_signal_handler.get_device", _signal_handler_device, contract=contract)
         return [ps]
+
+    def refuse_arguments(self, args) -> None:
+        for option, (is_on, needs) in CUDA_ONLY_OPTIONS.items():
+            value = getattr(args, option, None)
+            if is_on(value):
+                flag = "--" + option.replace("_", "-") + ("" if isinstance(value, bool) else f" {value}")
+                raise ConfigurationError(f"{flag} needs {needs}, which the NPU backend does not provide; "
+                                         "remove it to train on Ascend NPUs")
 
     def _activate(self) -> None:
         self._redirection = Redirection(_npu_target(), NPU_ENV)

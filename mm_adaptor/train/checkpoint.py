@@ -48,23 +48,26 @@ def save_checkpoint(state, directory: str, *, save_optim: bool = True, save_rng:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    from mm_adaptor import devices
+
+    backend = devices.current()  # the rank's, installed before the model was built
     final = checkpoint_dir(directory, state.iteration)
     staging = final.with_name(final.name + ".saving")
     if dist.get_rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
         staging.mkdir(parents=True)
-    dist.barrier()
+    backend.barrier()
     dist_checkpointing.save(_sharded_state_dict(state, is_loading=False, with_optimizer=save_optim), str(staging))
     if save_rng:
         _save_rng(staging)
     if dist.get_rank() == 0:
         (staging / CONTENTS).write_text(json.dumps({"optimizer": save_optim, "rng": save_rng,
                                                     "world_size": dist.get_world_size()}))
-    dist.barrier()  # every rank has written its shards
+    backend.barrier()  # every rank has written its shards
     if dist.get_rank() == 0:
         publish(staging, final)
         replace_file(Path(directory) / MARKER, str(state.iteration))
-    dist.barrier()
+    backend.barrier()
     return final
 
 

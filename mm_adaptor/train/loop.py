@@ -102,14 +102,18 @@ def train_step(state: RunState, data_iterators, forward_backward_func, step_func
 
 
 def _share_loss_from_last_stage(loss, device):
-    """Every rank learns the step's loss (it lives on the last pipeline stage)."""
+    """Every rank learns the step's loss, which its pipeline's last stage holds: a float32 broadcast along the
+    pipeline (the loss is a float32 value, so nothing rounds; HCCL reduces no float64, and only torch >= 2.7 lets a
+    device backend intercept dist.all_reduce)."""
     import torch
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
-    t = torch.tensor([loss if loss is not None else 0.0, 1.0 if loss is not None else 0.0], dtype=torch.float64,
-                     device=device)
-    dist.all_reduce(t)
-    return float(t[0] / t[1])
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return loss
+    t = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float32, device=device)
+    dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    return float(t[0])
 
 
 def run_rank(args: argparse.Namespace) -> None:
@@ -176,7 +180,6 @@ def _build(args, device) -> RunState:
 
 
 def _train(args, backend) -> None:
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -206,7 +209,7 @@ def _train(args, backend) -> None:
     start_iteration = state.iteration
     while state.iteration < args.train_iters:
         report_progress("training", state.iteration + 1)
-        dist.barrier()
+        backend.barrier()
         t0 = time.perf_counter()
         measure = recorder is not None and state.iteration == start_iteration
         for d in data:

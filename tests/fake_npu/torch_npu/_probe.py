@@ -66,7 +66,8 @@ def _break_rng():
     import mm_adaptor.devices.npu as npu_backend
 
     npu_backend.rng_state_patches = lambda *args, **kwargs: None
-    npu_backend.REDIRECTED = tuple(n for n in npu_backend.REDIRECTED if n not in ("_lazy_call", "default_generators"))
+    npu_backend.REDIRECTED = tuple(n for n in npu_backend.REDIRECTED if n != "_lazy_call")
+    npu_backend.LazyGenerators = lambda: torch.cuda.default_generators  # left as torch.cuda's
 
 
 def _break_device():

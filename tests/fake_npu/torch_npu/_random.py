@@ -13,6 +13,7 @@ DRAWS: dict[str, int] = {}
 def _gen(tensor, generator):
     if generator is not None and generator.device.type == "cpu":
         return generator
+    torch.npu._lazy_init()
     return torch.npu.default_generators[tensor.device.index or 0]
 
 

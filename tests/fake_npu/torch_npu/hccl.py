@@ -1,9 +1,10 @@
 """The FAKE 'hccl' process-group backend: gloo on host copies of npu tensors, refusing float64 as HCCL does.
 
 Each collective copies its npu tensors to host buffers, runs gloo's collective on them, and writes the results
-back into the npu tensors when its work is waited on. Uneven list collectives (megatron's gather and reduce-scatter
-with split sizes) are taken as HCCL's AllGatherV/ReduceScatterV take them. Not HCCL: no timeouts, streams or
-topology of its own.
+back into the npu tensors when its work is waited on. As torch_npu's HCCL, it takes npu tensors only (no CPU
+tensor, which torch's object collectives would otherwise send) and no float64. Uneven list collectives (megatron's
+gather and reduce-scatter with split sizes) are taken as HCCL's AllGatherV/ReduceScatterV take them. Not HCCL: no
+timeouts, streams or topology of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ def _refuse_fp64(tensors):
     for t in tensors:
         if t.dtype == torch.float64:
             raise RuntimeError("hccl (FAKE): float64 is not supported by HCCL collectives")
+
+
+def _refuse_host_tensors(tensors):
+    for t in tensors:
+        if t.device.type != "npu" or t.layout != torch.strided:
+            raise RuntimeError(f"hccl (FAKE): Tensors must be NPU and dense (got {t.device.type}, {t.layout})")
 
 
 def _host(t):
@@ -74,11 +81,17 @@ class FakeHccl(dist.ProcessGroup):
     def getBackendName(self):
         return "hccl"
 
+    @property
+    def _device_types(self):
+        """torch_npu's HCCL backend serves npu alone, so torch's object collectives and barrier use npu tensors."""
+        return [torch.device("npu")]
+
     def name(self):
         return "hccl"
 
     def _run(self, name, inputs, outputs, call):
         CALLS[name] = CALLS.get(name, 0) + 1
+        _refuse_host_tensors([*inputs, *outputs])
         _refuse_fp64([*inputs, *outputs])
         host_in = {id(t): _host(t) for t in inputs}
         host_out = {id(t): host_in.get(id(t), _host(t)) for t in outputs}
@@ -103,6 +116,7 @@ class FakeHccl(dist.ProcessGroup):
         padded to the largest output, gathered, and each output written from its rank's leading elements."""
         CALLS["allgather_uneven"] = CALLS.get("allgather_uneven", 0) + 1
         flat = [t for group in outputs for t in group]
+        _refuse_host_tensors([*inputs, *flat])
         _refuse_fp64([*inputs, *flat])
         width = max(t.numel() for t in flat)
         padded_in = []
@@ -164,7 +178,9 @@ class FakeHccl(dist.ProcessGroup):
 
     def barrier(self, opts):
         CALLS["barrier"] = CALLS.get("barrier", 0) + 1
-        return self._gloo.barrier(opts)
+        host = dist.BarrierOptions()
+        host.timeout = opts.timeout
+        return self._gloo.barrier(host)
 
     def gather(self, outputs, inputs, opts):
         flat = [t for group in outputs for t in group]
@@ -183,4 +199,4 @@ def _create(store, rank, size, timeout):
 
 def register() -> None:
     if "hccl" not in dist.Backend.backend_list:
-        dist.Backend.register_backend("hccl", _create, devices=["npu", "cpu"])
+        dist.Backend.register_backend("hccl", _create, devices=["npu"])  # as torch_npu: no CPU tensors

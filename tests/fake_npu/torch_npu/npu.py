@@ -20,11 +20,11 @@ def is_available() -> bool:
 
 
 def is_initialized() -> bool:
-    return True
+    return _INITIALIZED[0]
 
 
 def init() -> None:
-    pass
+    _lazy_init()
 
 
 def _is_in_bad_fork() -> bool:
@@ -175,8 +175,9 @@ def memory_stats(device=None) -> dict:
 
 
 def get_device_properties(device=None):
-    return types.SimpleNamespace(name="FAKE npu (host memory)", total_memory=64 << 30, major=0, minor=0,
-                                 multi_processor_count=1, is_integrated=False)
+    """As torch_npu before 7.2.0: no major/minor (torch_npu's properties are not a CUDA compute capability)."""
+    return types.SimpleNamespace(name="FAKE npu (host memory)", total_memory=64 << 30, multi_processor_count=1,
+                                 is_integrated=False)
 
 
 def get_device_name(device=None) -> str:
@@ -184,16 +185,32 @@ def get_device_name(device=None) -> str:
 
 
 def get_device_capability(device=None):
-    return (0, 0)
+    """None, as torch_npu answers."""
+    return None
 
 
-# RNG: one host generator per fake device.
-default_generators = tuple(torch.Generator() for _ in range(max(_count(), 1)))
-for _generator in default_generators:
-    _generator.manual_seed(67280421310721)
+# RNG: one host generator per fake device, made at lazy initialisation as torch_npu makes them: until then
+# default_generators is an empty tuple, afterwards a new tuple bound to this module's attribute.
+default_generators: tuple = ()
+_INITIALIZED = [False]
+_QUEUED: list = []
+
+
+def _lazy_init() -> None:
+    global default_generators
+    if _INITIALIZED[0]:
+        return
+    generators = tuple(torch.Generator() for _ in range(max(_count(), 1)))
+    for generator in generators:
+        generator.manual_seed(67280421310721)
+    default_generators = generators
+    _INITIALIZED[0] = True
+    while _QUEUED:
+        _QUEUED.pop(0)()
 
 
 def _generator(device=None) -> torch.Generator:
+    _lazy_init()
     return default_generators[_index(device)]
 
 
@@ -206,10 +223,12 @@ def set_rng_state(new_state, device="npu") -> None:
 
 
 def get_rng_state_all():
+    _lazy_init()
     return [g.get_state() for g in default_generators]
 
 
 def set_rng_state_all(states) -> None:
+    _lazy_init()
     for g, s in zip(default_generators, states):
         g.set_state(s)
 
@@ -219,6 +238,7 @@ def manual_seed(seed) -> None:
 
 
 def manual_seed_all(seed) -> None:
+    _lazy_init()
     for g in default_generators:
         g.manual_seed(int(seed))
 
@@ -232,9 +252,8 @@ def initial_seed() -> int:
 
 
 def _lazy_call(callable, **_kwargs):
-    """The fake device is initialised at import: queued calls run at once."""
-    callable()
-
-
-def _lazy_init() -> None:
-    pass
+    """Runs at once when initialised, else at lazy initialisation, as torch_npu's."""
+    if _INITIALIZED[0]:
+        callable()
+    else:
+        _QUEUED.append(callable)

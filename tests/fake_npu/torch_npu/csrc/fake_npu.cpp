@@ -18,7 +18,9 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 namespace fake_npu {
@@ -92,17 +94,47 @@ struct Generator final : at::CPUGeneratorImpl {
   }
 };
 
+// Pinned host memory: host allocations remembered while they live, so is_pinned() says true for them alone (as
+// torch_npu's pinned allocator does), and code that keeps a pinned buffer only while it is pinned sees it kept.
+std::mutex g_pinned_mutex;
+std::unordered_set<const void*> g_pinned;
+
+void free_pinned(void* data) {
+  {
+    std::lock_guard<std::mutex> lock(g_pinned_mutex);
+    g_pinned.erase(data);
+  }
+  std::free(data);
+}
+
+struct PinnedAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t bytes) override {
+    void* data = std::malloc(bytes ? bytes : 1);
+    TORCH_CHECK(data, "FAKE npu: pinned host allocation of ", bytes, " bytes failed");
+    {
+      std::lock_guard<std::mutex> lock(g_pinned_mutex);
+      g_pinned.insert(data);
+    }
+    return {data, data, &free_pinned, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &free_pinned; }
+  void copy_data(void* dest, const void* src, std::size_t count) const final { std::memcpy(dest, src, count); }
+};
+PinnedAllocator g_pinned_allocator;
+
 struct Hooks final : at::PrivateUse1HooksInterface {
   bool isBuilt() const override { return true; }
   bool isAvailable() const override { return true; }
   bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
   at::Device getDeviceFromPtr(void*) const override { return c10::Device(kNpu, t_current); }
-  bool isPinnedPtr(const void*) const override { return false; }
+  bool isPinnedPtr(const void* data) const override {
+    std::lock_guard<std::mutex> lock(g_pinned_mutex);
+    return g_pinned.count(data) > 0;
+  }
   at::Generator getNewGenerator(c10::DeviceIndex index) const override {
     return at::make_generator<Generator>(index);
   }
-  // "Pinned" host memory is plain host memory: copies are synchronous anyway.
-  c10::Allocator* getPinnedMemoryAllocator() const override { return c10::GetAllocator(c10::DeviceType::CPU); }
+  c10::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned_allocator; }
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t bytes) const override {
     auto fresh = g_allocator.allocate(bytes);
     auto keep = std::min(bytes, storage.nbytes());
