@@ -1,5 +1,7 @@
 """--use-flash-attn (Megatron-LM's own flag): the local spec's core attention runs PyTorch's fused attention."""
 
+from functools import partial
+
 from mm_adaptor.core.features import Feature, Flag, fused_kernel_tolerance, register, wrap_one
 from mm_adaptor.core.verification import STACKED_FUSED_FAILED_ON_H100, TP2_DISTOPT, fake_npu_check, same_everywhere
 
@@ -29,7 +31,9 @@ class FlashAttention(Feature):
         return None
 
     def patch_sets(self, options):
-        from mm_adaptor.patches.transformer.fused_ops import dot_product_attention_forward_flash
+        from mm_adaptor.patches.transformer.fused_ops import CausalMaskRule, dot_product_attention_forward_flash
 
+        # Megatron-LM's data loader builds the default causal mask unless --reset-attention-mask (CausalMaskRule)
+        masks = CausalMaskRule(data_masks_are_causal=getattr(options, "reset_attention_mask", None) is False)
         return wrap_one(self.name, "megatron.core.transformer.dot_product_attention.DotProductAttention.forward",
-                        dot_product_attention_forward_flash)
+                        partial(dot_product_attention_forward_flash, causal_masks=masks))

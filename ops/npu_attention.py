@@ -4,11 +4,15 @@ without saying so.
 
 Megatron's [s, b, h, d] tensors go in as layout "SBH" (heads folded into H; grouped-query attention as fewer key/value
 heads, which the kernel takes when Nq is a multiple of Nkv). Masks follow Megatron's convention (True = masked out),
-as the kernel's atten_mask does: a causal mask alone runs sparse_mode 3 (rightDownCausal: query i sees keys
-j <= i + sk - sq) with the compressed 2048 x 2048 mask torch_npu documents, so the kernel skips the masked blocks;
-any other mask goes in whole (sparse_mode 0). Rows whose keys are all masked get megatron's uniform average of the
-values, as on the other devices. Attention dropout: keep_prob = 1 - p, the kernel's mask seeded from the NPU
-generator, which megatron's RNG tracker controls.
+as the kernel's atten_mask does.
+
+Causal attention without a mask runs sparse_mode 3 (rightDownCausal: query i sees keys j <= i + sk - sq) with the
+compressed 2048 x 2048 mask torch_npu documents for it, so the kernel skips the masked blocks. Megatron's default
+causal mask arrives here that way: the --use-flash-attn patch recognises it from the configuration, never from its
+values (patches/transformer/fused_ops.py, CausalMaskRule). Any other mask goes in whole (sparse_mode 0); rows whose
+keys are all masked get megatron's uniform average of the values, as on the other devices, selected on the device
+(no host read per layer). Attention dropout: keep_prob = 1 - p, the kernel's mask seeded from the NPU generator,
+which megatron's RNG tracker controls.
 
 Where torch_npu documents no kernel (see `why_not`), the caller runs the blockwise fp32 kernel instead.
 """
@@ -58,7 +62,10 @@ def _full_mask(attention_mask, causal, sq, sk, device):
 
 
 def fusion_attention(q, k, v, causal, attention_mask, scale, dropout_p) -> torch.Tensor:
-    """q: [sq, b, hq, d]; k, v: [sk, b, hkv, d]; attention_mask: True = masked out. Returns [sq, b, hq, d]."""
+    """q: [sq, b, hq, d]; k, v: [sk, b, hkv, d]; attention_mask: True = masked out. Returns [sq, b, hq, d].
+
+    causal with no attention_mask and sq <= sk: sparse_mode 3 with the compressed 2048 x 2048 mask. Otherwise the
+    mask (with the causal part folded in) goes whole as sparse_mode 0. No host synchronisation on either path."""
     import torch_npu
 
     (sq, b, hq, d), sk = q.shape, k.shape[0]
@@ -73,7 +80,7 @@ def fusion_attention(q, k, v, causal, attention_mask, scale, dropout_p) -> torch
     out = torch_npu.npu_fusion_attention(
         q.reshape(sq, b, hq * d), k.reshape(sk, b, -1), v.reshape(sk, b, -1), hq, "SBH", scale=scale,
         keep_prob=1.0 - dropout_p, **kwargs)[0].view(sq, b, hq, d)
-    if fully_masked is not None and bool(fully_masked.any()):
+    if fully_masked is not None:  # unconditionally: asking whether any row is fully masked would read the device
         group = hq // k.shape[2]
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         uniform = v.mean(0, keepdim=True, dtype=acc).repeat_interleave(group, 2).to(out.dtype)  # [1, b, hq, d]

@@ -186,12 +186,46 @@ def _flash_attention_needs_megatron(attn, query, key, attention_mask, attention_
     return None
 
 
-def dot_product_attention_forward_flash(wrapped, instance, args, kwargs):
+class CausalMaskRule:
+    """Which masks given to a causal-type DotProductAttention are Megatron's default causal mask (True above the
+    diagonal), so that the layer runs causal attention without reading the mask (on the NPU: the kernel's causal
+    mode with its compressed mask; on CUDA and the CPU: SDPA's is_causal, the same numbers as the mask).
+
+    Known from the configuration, never from the mask's values per layer: Megatron-LM's data loader builds exactly
+    that mask unless --reset-attention-mask, so options that carry reset_attention_mask=False (Megatron-LM's
+    arguments) say so; options without it (the driver passes no mask) or with it set leave every mask whole. A mask
+    must also be boolean [b|1, 1, s, s] with sq == sk. The first such mask is compared with the causal mask once (the
+    only host read); if it differs (a script with its own masks), one warning and every mask goes whole from then on.
+    """
+
+    def __init__(self, data_masks_are_causal: bool):
+        self.trusted = data_masks_are_causal
+        self.verified = False
+
+    def is_default_causal(self, mask, sq: int, sk: int) -> bool:
+        if not self.trusted or mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
+            return False
+        if sq != sk or sq < 2 or tuple(mask.shape[-2:]) != (sq, sk):
+            return False
+        if not self.verified:
+            self.verified = True
+            future = torch.ones(sq, sk, dtype=torch.bool, device=mask.device).triu(1)
+            if not torch.equal(mask, future.expand_as(mask)):
+                self.trusted = False
+                warnings.warn("--use-flash-attn: the attention mask of a causal attention layer is not Megatron's "
+                              "default causal mask although --reset-attention-mask is off (a data loader of its "
+                              "own?); every mask now goes whole to the kernel", RuntimeWarning, stacklevel=3)
+                return False
+        return True
+
+
+def dot_product_attention_forward_flash(wrapped, instance, args, kwargs, causal_masks: CausalMaskRule | None = None):
     """DotProductAttention.forward on mm_adaptor.ops.flash_attention (PyTorch's fused kernels: no s x s
     scores kept for backward). Returns [sq, b, hp] like megatron.
 
     Mirrors megatron's torch softmax path: the sliding-window mask replaces a given mask; without a mask the causal
-    mask type builds the causal mask; QK layer scaling's coefficient cancels out (fp32 scores here); the dropout
+    mask type builds the causal mask; a mask `causal_masks` knows to be Megatron's default causal one is not read
+    (causal attention computes it); QK layer scaling's coefficient cancels out (fp32 scores here); the dropout
     probability is the module's, in training only, drawn inside the RNG tracker's fork unless sequence parallel."""
     from megatron.core import tensor_parallel
     from megatron.core.transformer.enums import AttnMaskType
@@ -209,9 +243,13 @@ def dot_product_attention_forward_flash(wrapped, instance, args, kwargs):
         _warn_fallback("--use-flash-attn", why_not)
         return wrapped(*args, **kwargs)
     softmax = instance.scale_mask_softmax
+    causal_type = instance.attn_mask_type == AttnMaskType.causal
     if softmax.window_size is not None:
         mask = get_sliding_window_causal_mask(query.shape[0], key.shape[0], softmax.window_size).to(query.device)
-    causal = mask is None and instance.attn_mask_type == AttnMaskType.causal and query.shape[0] > 1
+    elif causal_type and causal_masks is not None and causal_masks.is_default_causal(mask, query.shape[0],
+                                                                                      key.shape[0]):
+        mask = None
+    causal = mask is None and causal_type and query.shape[0] > 1
     scale = instance.softmax_scale * (softmax.scale or 1.0)
     dropout_p = instance.attention_dropout.p if instance.training else 0.0
 

@@ -5,9 +5,12 @@ float32 over the whole score matrix. NOT Ascend's FlashAttentionScore kernel: no
 Source (read for the facts, nothing copied): Ascend/op-plugin at commit 517f2e7d (2026-08-21):
 op_plugin/config/op_plugin_functions.yaml and derivatives.yaml, docs/zh/custom_APIs/torch_npu/
 torch_npu-npu_fusion_attention.md. Implemented: layouts BSH, SBH, BSND, BNSD (not TND), GQA (Nq a multiple of Nkv),
-atten_mask (bool/uint8, 1 = masked out; SS, 11SS, B1SS or BNSS), sparse_mode 0 (with pre_tockens/next_tockens),
-1, 2 (leftUpCausal) and 3 (rightDownCausal) with the compressed 2048x2048 mask those two take, scale, keep_prob
-(the dropout mask drawn from the fake npu generator through a seed, regenerated in backward). Refused: pse,
+atten_mask (bool/uint8, 1 = masked out; SS, 11SS, B1SS or BNSS; on the query's device), sparse_mode 0 (with
+pre_tockens/next_tockens), 1, 2 (leftUpCausal) and 3 (rightDownCausal), scale, keep_prob (the dropout mask drawn
+from the fake npu generator through a seed, regenerated in backward). Enforced as documented, where the kernel would
+compute wrong results instead of refusing: sparse modes 2 and 3 take exactly the compressed causal mask
+triu(ones(2048, 2048), 1), never the full one; in sparse mode 0 atten_mask masks whatever pre_tockens/next_tockens
+exclude, and a negative one of those needs the other at least its size (below Skv, resp. Sq). Refused: pse,
 padding_mask, prefix, actual_seq_*len, sink, dropout_mask, sparse modes 4 to 8.
 """
 
@@ -37,6 +40,7 @@ SCHEMAS = {
 LAYOUTS = ("BSH", "SBH", "BSND", "BNSD")
 COMPRESSED_MASK = 2048  # sparse modes 2 and 3 take this triu(ones(2048, 2048), 1) mask instead of the full one
 MASKED = -1e30
+_COMPRESSED: dict = {}
 
 
 def _to_bnsd(t, layout, heads):
@@ -80,16 +84,36 @@ def _heads(q, k, head_num, layout):
     return n_kv
 
 
+def _compressed_causal(device) -> torch.Tensor:
+    mask = _COMPRESSED.get(device)
+    if mask is None:
+        mask = _COMPRESSED[device] = torch.ones(COMPRESSED_MASK, COMPRESSED_MASK, dtype=torch.bool,
+                                                device=device).triu(1)
+    return mask
+
+
+def _check_tokens(pre, nxt, sq, sk):
+    _check(nxt >= 0 or (pre >= -nxt and -nxt < sk),
+           f"npu_fusion_attention: next_tockens {nxt} < 0 needs pre_tockens >= {-nxt} and |next_tockens| < Skv {sk}")
+    _check(pre >= 0 or (nxt >= -pre and -pre < sq),
+           f"npu_fusion_attention: pre_tockens {pre} < 0 needs next_tockens >= {-pre} and |pre_tockens| < Sq {sq}")
+
+
 def _masked(atten_mask, sparse_mode, pre, nxt, b, n, sq, sk, device):
     """Boolean [b|1, n|1, sq, sk] (True = masked out) or None: what the kernel computes for these arguments."""
     if atten_mask is None:
         return None  # the documentation: without atten_mask, sparse_mode and the tokens have no effect
     _check(atten_mask.dtype in (torch.bool, torch.uint8), f"npu_fusion_attention: atten_mask {atten_mask.dtype}")
+    _check(atten_mask.device == device, f"npu_fusion_attention: atten_mask on {atten_mask.device}, query on {device}")
     rows = torch.arange(sq, device=device).unsqueeze(-1)
     cols = torch.arange(sk, device=device)
     if sparse_mode in (2, 3):
         _check(tuple(atten_mask.shape) == (COMPRESSED_MASK, COMPRESSED_MASK),
-               f"npu_fusion_attention: sparse_mode {sparse_mode} takes the compressed 2048x2048 mask")
+               f"npu_fusion_attention: sparse_mode {sparse_mode} takes the compressed 2048x2048 mask, not "
+               f"{tuple(atten_mask.shape)}")
+        _check(torch.equal(atten_mask.to(torch.bool), _compressed_causal(device)),
+               f"npu_fusion_attention: sparse_mode {sparse_mode} takes triu(ones(2048, 2048), 1) as atten_mask "
+               "(1 = masked out); any other mask gives wrong results on the kernel")
         return (cols > rows + (sk - sq if sparse_mode == 3 else 0)).view(1, 1, sq, sk)
     _check(sparse_mode in (0, 1), f"npu_fusion_attention: sparse_mode {sparse_mode} (the FAKE takes 0 to 3)")
     shape = tuple(atten_mask.shape)
@@ -97,8 +121,13 @@ def _masked(atten_mask, sparse_mode, pre, nxt, b, n, sq, sk, device):
            and (len(shape) == 2 or (shape[0] in (1, b) and shape[1] in (1, n))),
            f"npu_fusion_attention: atten_mask {shape} is not SS, 11SS, B1SS or BNSS for b={b} n={n} {sq}x{sk}")
     masked = atten_mask.to(torch.bool).view(*([1, 1] if len(shape) == 2 else []), *shape)
-    if sparse_mode == 0:
-        masked = masked | (cols > rows + nxt) | (cols < rows - pre)
+    if sparse_mode == 0 and (pre < sq or nxt < sk):  # the tokens exclude some keys: the mask must exclude them too
+        _check_tokens(pre, nxt, sq, sk)
+        outside = (cols > rows + nxt) | (cols < rows - pre)
+        _check(not bool((outside & ~masked).any()),
+               f"npu_fusion_attention: sparse_mode 0 with pre_tockens {pre}, next_tockens {nxt} needs an atten_mask "
+               "that masks what they exclude")
+        masked = masked | outside
     return masked
 
 
