@@ -98,3 +98,38 @@ def test_the_megatron_lm_hook_asks_the_backend(monkeypatch):
     monkeypatch.setattr(devices, "current", lambda: NpuBackend())
     with pytest.raises(ConfigurationError, match="--nvtx-ranges needs NVTX"):
         megatron_lm._check_device_serves(argparse.Namespace(nvtx_ranges=True, distributed_backend=None))
+
+
+STREAMS = r"""
+import json, torch, torch_npu
+
+def copy_on_side_stream(wait):
+    device, host = torch.arange(4.0, device="npu"), torch.empty(4, pin_memory=True)
+    side = torch.npu.Stream()
+    with torch.npu.stream(side):
+        host.copy_(device, non_blocking=True)
+        event = torch.npu.Event()
+        event.record(side)
+    if wait == "wait_stream":
+        torch.npu.current_stream().wait_stream(side)
+    elif wait == "wait_event":
+        torch.npu.current_stream().wait_event(event)
+    elif wait == "synchronize":
+        torch.npu.synchronize()
+    return host.tolist()
+
+result = {wait: copy_on_side_stream(wait) for wait in ("none", "wait_stream", "wait_event", "synchronize")}
+blocking = torch.empty(2, pin_memory=True)
+with torch.npu.stream(torch.npu.Stream()):
+    blocking.copy_(torch.ones(2, device="npu"))  # a blocking copy is complete on return
+result["blocking"] = blocking.tolist()
+print("RESULT=" + json.dumps(result))
+"""
+
+
+def test_a_copy_on_a_side_stream_is_complete_only_after_a_wait():
+    result = run_python(STREAMS)
+    assert all(x != x for x in result["none"]), result  # NaN: the forgotten wait shows
+    for wait in ("wait_stream", "wait_event", "synchronize"):
+        assert result[wait] == [0.0, 1.0, 2.0, 3.0], (wait, result[wait])
+    assert result["blocking"] == [1.0, 1.0]

@@ -2,10 +2,11 @@
 
 MM_ADAPTOR_FAKE_NPU_PROBE=<dir>: after every optimizer step each rank writes <dir>/rank<N>.json: the devices of every
 parameter, gradient, main_grad, buffer and optimizer state it can find, torch.cuda lazy calls still queued, and the
-fake's counters (hccl calls, random draws, fp64 all-reduces, torch_npu op calls).
-MM_ADAPTOR_FAKE_NPU_BREAK=rng|device: a deliberately broken NPU backend (its RNG redirect removed, or device='cuda'
-left unmapped) that the tests must catch; =composite: a broken fake (ops with a CPU kernel run their composite
-decomposition instead, see torch_npu/__init__.py).
+fake's counters (hccl calls, random draws, fp64 all-reduces, torch_npu op calls, copies deferred on side streams).
+MM_ADAPTOR_FAKE_NPU_BREAK=rng|device|swap-wait: a deliberately broken NPU backend (its RNG redirect removed, or
+device='cuda' left unmapped) or swap optimizer (its wait for the copies to host removed) that the tests must catch;
+=composite: a broken fake (ops with a CPU kernel run their composite decomposition instead, see
+torch_npu/__init__.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _where(traceback_lines) -> str:
 
 
 def _snapshot(optimizer) -> dict:
-    from torch_npu import _random, hccl, ops
+    from torch_npu import _random, hccl, npu, ops
 
     params = [p for group in optimizer.param_groups for p in group["params"]]
     modules = [m for m in gc.get_objects() if isinstance(m, torch.nn.Module) and type(m).__name__ == "GPTModel"]
@@ -52,7 +53,7 @@ def _snapshot(optimizer) -> dict:
         # beyond the ones torch.cuda queues for itself on import
         "queued_cuda_lazy_calls": [_where(tb) for _call, tb in torch.cuda._queued_calls[_QUEUED_AT_IMPORT:]],
         "hccl_calls": dict(hccl.CALLS), "draws": dict(_random.DRAWS), "fp64_all_reduces": fp64,
-        "npu_ops": dict(ops.CALLS),
+        "npu_ops": dict(ops.CALLS), "deferred_copies": npu.DEFERRED["copies"],
     }
 
 
@@ -68,6 +69,12 @@ def _break_rng():
     npu_backend.rng_state_patches = lambda *args, **kwargs: None
     npu_backend.REDIRECTED = tuple(n for n in npu_backend.REDIRECTED if n != "_lazy_call")
     npu_backend.LazyGenerators = lambda: torch.cuda.default_generators  # left as torch.cuda's
+
+
+def _break_swap_wait():
+    from mm_adaptor.patches.optimizer import swap_optimizer
+
+    swap_optimizer.SwappedOptimizerState.end_step = lambda self: None  # the copies to host are never waited for
 
 
 def _break_device():
@@ -92,5 +99,7 @@ def install() -> None:
         _break_rng()
     elif broken == "device":
         _break_device()
+    elif broken == "swap-wait":
+        _break_swap_wait()
     elif broken and broken != "composite":
-        raise ValueError(f"{BREAK_ENV}={broken!r}: choose rng, device or composite")
+        raise ValueError(f"{BREAK_ENV}={broken!r}: choose rng, device, swap-wait or composite")

@@ -1,14 +1,17 @@
 """`torch.npu` of the FAKE npu device (tests only): devices, streams, events, memory counters and RNG state.
 
-Work is synchronous, so streams and events only order what is already ordered. Random ops on `npu` tensors draw
+Work is synchronous, except non-blocking copies issued on a side stream, which wait for that stream's
+synchronisation (see Stream). Random ops on `npu` tensors draw
 from `default_generators` (one host generator per fake device), not from torch's CPU generator.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import types
+import weakref
 
 import torch
 
@@ -71,28 +74,38 @@ def device(index):
         set_device(previous)
 
 
-def synchronize(device=None) -> None:
-    pass
-
-
 def empty_cache() -> None:
     pass
 
 
 class Stream(torch.Stream):
-    """A stream of the fake device: work runs as it is issued."""
+    """A stream of the fake device. Work runs as it is issued, except a non-blocking copy issued while a stream
+    other than the default one is current: that copy is queued here and its destination holds NaN (or -1) until
+    the queue runs, when the stream is synchronised or waited on (wait_stream, an event recorded on it). A wait
+    the code forgets then shows as a wrong value, as it can on the device."""
 
     def __new__(cls, device=None, priority=0, **_kwargs):
         return super().__new__(cls, device=torch.device("npu", _index(device)), priority=priority)
 
     def __init__(self, device=None, priority=0, **_kwargs):
         self.npu_stream = 0
+        self._queued: list = []
+
+    def _defer(self, work) -> None:
+        DEFERRED["copies"] += 1
+        self._queued.append(work)
+        _WITH_QUEUED.add(self)
+
+    def _run_queued(self) -> None:
+        queued = getattr(self, "_queued", [])
+        while queued:
+            queued.pop(0)()
 
     def wait_stream(self, stream):
-        pass
+        stream._run_queued()
 
     def wait_event(self, event):
-        pass
+        event.wait(self)
 
     def record_event(self, event=None):
         event = event or Event()
@@ -100,10 +113,10 @@ class Stream(torch.Stream):
         return event
 
     def synchronize(self):
-        pass
+        self._run_queued()
 
     def query(self):
-        return True
+        return not getattr(self, "_queued", [])
 
     def __enter__(self):
         return self
@@ -114,25 +127,28 @@ class Stream(torch.Stream):
 
 class Event:
     def __init__(self, enable_timing=False, blocking=False, interprocess=False, **_kwargs):
-        self._time = None
+        self._time, self._stream = None, None
 
     def record(self, stream=None):
-        self._time = time.perf_counter()
+        self._time, self._stream = time.perf_counter(), stream or current_stream()
 
     def wait(self, stream=None):
-        pass
+        if self._stream is not None:
+            self._stream._run_queued()
 
-    def synchronize(self):
-        pass
+    synchronize = wait
 
     def query(self):
-        return True
+        return self._stream is None or self._stream.query()
 
     def elapsed_time(self, end) -> float:
         return (end._time - self._time) * 1000.0
 
 
+DEFERRED = {"copies": 0}  # how many copies a side stream queued (tests assert the model ran)
+_WITH_QUEUED: weakref.WeakSet = weakref.WeakSet()
 _DEFAULT_STREAMS: dict[int, Stream] = {}
+_CURRENT = threading.local()
 
 
 def default_stream(device=None) -> Stream:
@@ -140,14 +156,52 @@ def default_stream(device=None) -> Stream:
     return _DEFAULT_STREAMS.setdefault(index, Stream(index))
 
 
-current_stream = default_stream
+def current_stream(device=None) -> Stream:
+    chosen = getattr(_CURRENT, "stream", None)
+    return chosen if chosen is not None else default_stream(device)
 
 
 def set_stream(stream) -> None:
-    pass
+    _CURRENT.stream = stream
 
 
-stream = contextlib.nullcontext
+@contextlib.contextmanager
+def stream(chosen):
+    previous = getattr(_CURRENT, "stream", None)
+    _CURRENT.stream = chosen
+    try:
+        yield chosen
+    finally:
+        _CURRENT.stream = previous
+
+
+def synchronize(device=None) -> None:
+    for queued in list(_WITH_QUEUED):
+        queued._run_queued()
+
+
+_copy = torch.Tensor.copy_
+
+
+def _poison(tensor) -> None:
+    with torch.no_grad():
+        if tensor.is_floating_point() or tensor.is_complex():
+            _copy(tensor, torch.full(tensor.shape, float("nan"), dtype=tensor.dtype))
+        elif tensor.dtype != torch.bool:
+            _copy(tensor, torch.full(tensor.shape, -1, dtype=tensor.dtype))
+
+
+def _copy_on_current_stream(self, src, non_blocking=False):
+    side = getattr(_CURRENT, "stream", None)
+    involves_npu = self.device.type == "npu" or (isinstance(src, torch.Tensor) and src.device.type == "npu")
+    if not non_blocking or side is None or side is default_stream(side.device_index) or not involves_npu:
+        return _copy(self, src, non_blocking)
+    _poison(self)
+    side._defer(lambda: _copy(self, src))
+    return self
+
+
+torch.Tensor.copy_ = _copy_on_current_stream
 
 
 def memory_allocated(device=None) -> int:
