@@ -3,7 +3,10 @@
 megatron-core 0.16 builds GroupedMLP for --moe-grouped-gemm with the local spec (its grouped_gemm package patched
 out); 0.17 removed GroupedMLP and grouped_gemm_util, and the local spec builds SequentialMLP for it (experts one
 after the other): there the same flag makes SequentialMLP run every local expert's fc1 and fc2 as one
-grouped_matmul each. Each generation's patches are applied where their targets exist."""
+grouped_matmul each. Each generation's patches are applied where their targets exist.
+
+On the NPU the op runs torch_npu's npu_grouped_matmul forward and backward (ops/grouped_matmul.py), one local expert
+per rank a plain matmul; where torch_npu documents no kernel for a call the reference runs, nothing is refused."""
 
 from collections import Counter
 

@@ -1,4 +1,8 @@
-"""--use-fused-rotary-pos-emb: megatron's apply_rotary_pos_emb runs the native rotary kernel."""
+"""--use-fused-rotary-pos-emb: megatron's apply_rotary_pos_emb runs the native rotary kernel.
+
+On the NPU: torch_npu's npu_rotary_mul within the limits its documentation states (ops/rotary_pos_emb.py's
+npu_serves: batch and heads per rank, rotary dim; the three-argument schema of torch_npu without rotary_mode in
+rotate-half), the op's reference elsewhere, so no configuration is refused for them."""
 
 from mm_adaptor.core.features import Feature, FeatureConfigError, Flag, fused_kernel_tolerance, register, wrap_one
 from mm_adaptor.core.verification import (BASE_RELEASE, ON_0_19_2, PIP_0_17_1, PIP_0_18_2, STACKED_FUSED_FAILED_ON_H100,

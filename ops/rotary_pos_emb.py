@@ -1,8 +1,11 @@
 """rotary_pos_emb: Megatron's apply_rotary_pos_emb for [s, b, h, d], rotate-half or interleaved, partial rotary.
 Native kernels: csrc/cpu/rotary_pos_emb.cpp, csrc/cuda/; NPU: torch_npu.npu_rotary_mul and npu_rotary_mul_backward,
-rotary_mode 'half' or 'interleave' (the reference where torch_npu documents no kernel: see npu_serves)."""
+rotary_mode 'half' or 'interleave', or the three-argument rotate-half of torch_npu without rotary_mode (the reference
+where torch_npu documents no kernel: see npu_serves)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -54,12 +57,33 @@ def fake_bwd(dy, freqs, interleaved):
 NPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def npu_serves(t, freqs, interleaved) -> bool:
-    """torch_npu's npu_rotary_mul: 3-D or 4-D float16/bfloat16/float32, D even and below 896; in interleave mode the
-    cos/sin tensors broadcast over all leading dims but one (megatron's [s, 1, 1, rot] does)."""
+@functools.lru_cache(maxsize=None)
+def takes_rotary_mode() -> bool:
+    """Whether torch_npu's npu_rotary_mul has the rotary_mode argument (op-plugin 7.0.0 on; 6.0.0, torch_npu for
+    torch 2.4 included, has npu_rotary_mul(self, r1, r2), rotate-half only): read from its schema, not called."""
+    packet = torch.ops.npu.npu_rotary_mul
+    return any(a.name == "rotary_mode" for name in packet.overloads() for a in getattr(packet, name)._schema.arguments)
+
+
+def npu_serves(t, freqs, interleaved, backward=False) -> bool:
+    """torch_npu's documented limits (op-plugin docs, jit_compile=False on Atlas A2/A3) for megatron's layout: t as
+    SBND [s, b, h, d] (or TND [t, h, d], B = 1) with cos/sin [s, 1, 1, d] (or [t, 1, d]), float16/bfloat16/float32,
+    D even and below 896; rotate-half B < 1000 and N < 1000, interleave B*N < 1000. The backward kernel computes the
+    cos/sin gradients as well (op-plugin before 7.1.0 and the aclop path always do), which needs B*N <= 1024.
+    Without rotary_mode (op-plugin 6.0.0): rotate-half, 4-D, D = 128, B and N <= 1000, B*N <= 1024 (its broadcast
+    limit), and s > 1 (one position also reads as BNSD, where 6.0.0 refuses B*N > 8*S)."""
     rot = freqs.shape[-1]
-    return (t.dtype in NPU_DTYPES and t.dim() in (3, 4) and freqs.dim() == t.dim() and rot % 2 == 0 and 0 < rot < 896
-            and (not interleaved or sum(s != 1 for s in freqs.shape[:-1]) <= 1))
+    if t.dtype not in NPU_DTYPES or t.dim() not in (3, 4) or freqs.dim() != t.dim() or rot % 2 or not 0 < rot < 896:
+        return False
+    if tuple(freqs.shape[:-1]) != (t.shape[0], *[1] * (t.dim() - 2)):
+        return False
+    b, n = (t.shape[1], t.shape[2]) if t.dim() == 4 else (1, t.shape[1])
+    if not takes_rotary_mode():
+        return (not interleaved and t.dim() == 4 and rot == 128 and t.shape[0] > 1 and b <= 1000 and n <= 1000
+                and b * n <= 1024)
+    if interleaved:
+        return b * n < 1000
+    return b < 1000 and n < 1000 and (not backward or b * n <= 1024)
 
 
 def _npu_rotary(t, freqs, interleaved, backward):
@@ -67,12 +91,12 @@ def _npu_rotary(t, freqs, interleaved, backward):
 
     rot = freqs.shape[-1]
     cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
-    mode = "interleave" if interleaved else "half"
+    mode = ("interleave" if interleaved else "half",) if takes_rotary_mode() else ()
     head = t[..., :rot]
-    if backward:  # cos and sin need no gradient, so the kernel gets no x (op-plugin's RotaryMulBackward): `self`
-        rotated = torch_npu.npu_rotary_mul_backward(head, head, cos, sin, mode)[0]  # only gives dx its dtype
+    if backward:  # `self` is x, read only for the cos/sin gradients, which are discarded: dy stands in for it
+        rotated = torch_npu.npu_rotary_mul_backward(head, head, cos, sin, *mode)[0]
     else:
-        rotated = torch_npu.npu_rotary_mul(head, cos, sin, mode)
+        rotated = torch_npu.npu_rotary_mul(head, cos, sin, *mode)
     return rotated if rot == t.shape[-1] else torch.cat([rotated, t[..., rot:]], dim=-1)
 
 
@@ -83,7 +107,7 @@ def npu_fwd(t, freqs, interleaved):
 
 
 def npu_bwd(dy, freqs, interleaved):
-    if not npu_serves(dy, freqs, interleaved):
+    if not npu_serves(dy, freqs, interleaved, backward=True):
         return reference_bwd(dy, freqs, interleaved)
     return _npu_rotary(dy, freqs, interleaved, backward=True)
 

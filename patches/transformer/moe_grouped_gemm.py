@@ -7,6 +7,7 @@ import types
 import torch
 
 from mm_adaptor import ops
+from mm_adaptor.ops.grouped_matmul import placed_counts
 from mm_adaptor.core.patching import bound_arguments
 
 
@@ -184,7 +185,7 @@ def sequential_mlp_forward_grouped(stats, function=None):
         bound = bound_arguments(("permuted_local_hidden_states", "tokens_per_expert", "permuted_probs"), args, kwargs)
         hidden, probs = bound["permuted_local_hidden_states"], bound["permuted_probs"]
         counts = bound["tokens_per_expert"]
-        counts = (counts if torch.is_tensor(counts) else torch.tensor(list(counts))).to("cpu", torch.long)
+        counts = placed_counts(hidden, counts)
         config = instance.config
         if config.moe_apply_probs_on_input:  # as megatron's SequentialMLP: scale the input, then probabilities 1
             if config.moe_router_topk != 1:

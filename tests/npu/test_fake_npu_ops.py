@@ -16,9 +16,9 @@ import importlib; gm = importlib.import_module("mm_adaptor.ops.grouped_matmul")
 results = {}
 for name, counts in {"zero_token_experts": [3, 0, 5, 0], "single_local_expert": [6], "uneven": [1, 2, 3]}.items():
     torch.manual_seed(0)
-    x = torch.randn(sum(counts), 8, dtype=torch.float64)
-    w = torch.randn(len(counts), 8, 4, dtype=torch.float64)
-    dy = torch.randn(sum(counts), 4, dtype=torch.float64)
+    x = torch.randn(sum(counts), 8, dtype=torch.float32)
+    w = torch.randn(len(counts), 8, 4, dtype=torch.float32)
+    dy = torch.randn(sum(counts), 4, dtype=torch.float32)
     tokens = torch.tensor(counts)
     xn, wn = x.to("npu").requires_grad_(), w.to("npu").requires_grad_()
     y = gm.grouped_matmul(xn, wn, tokens.to("npu"))

@@ -15,11 +15,15 @@ pytestmark = pytest.mark.npu
 TP2_SP = ["--num-layers", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
 TP2_DROPOUT = ["--num-layers", "2", "--tensor-model-parallel-size", "2", "--hidden-dropout", "0.1",
                "--attention-dropout", "0.1"]
+DISTOPT = ["--num-layers", "2", "--use-distributed-optimizer"]
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 LAYOUTS = {
     "pp2": ["--num-layers", "2", "--pipeline-model-parallel-size", "2"],
     "dp2_distopt": ["--num-layers", "2", "--use-distributed-optimizer", "--overlap-grad-reduce"],
     "ep2_moe": ["--num-layers", "2", "--num-experts", "4", "--expert-model-parallel-size", "2"],
+    # one local expert per rank: npu_grouped_matmul's group list of length 1
+    "ep2_fused_gmm_one_local_expert": ["--num-layers", "2", "--num-experts", "2", "--expert-model-parallel-size", "2",
+                                       "--moe-grouped-gemm", "--disable-bias-linear", "--use-fused-gmm"],
 }
 SPECS = {
     "cpu": {"device": "cpu", "args": TP2_SP},
@@ -33,6 +37,10 @@ SPECS = {
     # npu_fusion_attention's own dropout (the kernel draws its seed from the npu generator, inside the RNG tracker)
     "npu_dropout_flash": {"device": "npu", "args": [*TP2_DROPOUT, "--use-flash-attn"]},
     "npu_dropout_flash_recompute": {"device": "npu", "args": [*TP2_DROPOUT, "--use-flash-attn", *RECOMPUTE]},
+    # the side streams' copies are deferred on the fake until waited for: a forgotten wait shows in the losses
+    "npu_distopt": {"device": "npu", "args": DISTOPT},
+    "npu_swap_optimizer": {"device": "npu", "args": [*DISTOPT, "--swap-optimizer"]},
+    "npu_swap_optimizer_broken_wait": {"device": "npu", "args": [*DISTOPT, "--swap-optimizer"], "break": "swap-wait"},
     "npu_broken_rng": {"device": "npu", "args": TP2_DROPOUT, "break": "rng"},
     "npu_broken_device": {"device": "npu", "args": TP2_SP, "break": "device", "iters": 1},
 }
@@ -76,6 +84,8 @@ def test_every_tensor_lives_on_npu_and_no_cuda_lazy_call_is_queued(runs):
             assert probe["buffers"] in ([], ["npu"])
             assert probe["queued_cuda_lazy_calls"] == [], probe["queued_cuda_lazy_calls"]
             assert probe["hccl_calls"].get("allreduce", 0) > 0  # TP all-reduces ran on the fake HCCL
+            # nothing float64 went to HCCL by way of the interception, which torch < 2.7 does not consult
+            assert probe["fp64_all_reduces"] == 0, (name, probe["fp64_all_reduces"])
     assert all(p["draws"].get("native_dropout", 0) > 0 for p in runs["npu_dropout"]["probe"].values())
 
 
@@ -101,6 +111,16 @@ def test_flash_attention_dropout_on_npu_is_reproduced_by_recompute(runs):
     for probe in plain["probe"].values():  # the kernel ran with dropout: its seeds came from the npu generator
         assert probe["npu_ops"].get("npu_fusion_attention", 0) > 0 and probe["draws"].get("random_.from", 0) > 0
     assert plain["losses"] != runs["npu_dropout"]["losses"]  # not megatron's attention dropout
+
+
+def test_swap_optimizer_waits_for_its_side_streams(runs):
+    plain, swapped, broken = runs["npu_distopt"], runs["npu_swap_optimizer"], runs["npu_swap_optimizer_broken_wait"]
+    for run in (plain, swapped):
+        assert "error" not in run, run.get("error")
+    assert swapped["losses"] == plain["losses"]
+    assert all(p["deferred_copies"] > 0 for p in swapped["probe"].values())  # the copies did wait for a wait
+    # without the wait the next step reads the host copies before they arrive: NaN, which megatron stops on
+    assert "found NaN" in broken.get("error", "") or broken["losses"] != plain["losses"], broken
 
 
 def test_broken_rng_redirect_is_caught(runs):

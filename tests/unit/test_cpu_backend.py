@@ -170,14 +170,14 @@ def test_cpu_named_by_the_caller_is_chosen_on_purpose(rendezvous):
 def test_megatron_lm_nccl_default_is_refused_after_validation_with_cpu_chosen_automatically(rendezvous):
     import argparse
 
-    from mm_adaptor.megatron_lm import _check_distributed_backend
+    from mm_adaptor.megatron_lm import _check_device_serves
 
     devices.install()
     expected = (r"--distributed-backend nccl \(Megatron-LM's default\) .*"
                 r"pass --distributed-backend gloo or set MM_ADAPTOR_DEVICE=cpu")
     with pytest.raises(devices.NoAcceleratorError, match=expected):
-        _check_distributed_backend(argparse.Namespace(distributed_backend="nccl"))
-    _check_distributed_backend(argparse.Namespace(distributed_backend="gloo"))
+        _check_device_serves(argparse.Namespace(distributed_backend="nccl"))
+    _check_device_serves(argparse.Namespace(distributed_backend="gloo"))
 
 
 def test_applied_lists_the_backend_patches(rendezvous):
