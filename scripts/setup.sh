@@ -5,6 +5,11 @@
 #   bash scripts/setup.sh latest   .venv-latest: a Python >= 3.12, the registry's torch, the newest megatron-core
 #                                  pyproject.toml allows ($MEGATRON_CORE_LATEST, default 0.19.2): 0.17+ ship for
 #                                  Python >= 3.12 only.
+#   bash scripts/setup.sh npu-torch  .venv-npu-torch: python3 (3.10/3.11), the oldest torch the NPU backend claims
+#                                  ($NPU_TORCH_SPEC, default torch==2.6.0: torch_npu pairs with torch 2.5 to 2.9, and
+#                                  megatron-core 0.16 requires torch>=2.6), megatron-core 0.16.1; scripts/test.sh's
+#                                  NPU leg. The registry's torch: a CUDA build, 5.6 GB with the nvidia libraries it
+#                                  does not import without (PyTorch's CPU-wheel index is out of reach).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
@@ -26,6 +31,11 @@ if [ "${1:-}" = latest ]; then
     echo "setup.sh latest: no Python >= 3.12 found (megatron-core 0.17+ needs it; set PYTHON312)" >&2
     exit 2
   fi
+elif [ "${1:-}" = npu-torch ]; then
+  VENV=.venv-npu-torch
+  MEGATRON_SPEC="megatron-core==0.16.1"
+  PYTHON=${PYTHON:-python3}
+  TORCH_SPEC=${NPU_TORCH_SPEC:-torch==2.6.0}
 else
   VENV=.venv
   MEGATRON_SPEC="megatron-core==0.16.1"
@@ -35,7 +45,9 @@ fi
 start=$(date +%s)
 created=no
 [ -x "$VENV/bin/python" ] || { "$PYTHON" -m venv "$VENV"; created=yes; }
-# torch first, so the resolver keeps this build (the local CPU wheel for 3.11; a registry wheel for 3.12)
-"$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
+# torch first, so the resolver keeps this build (the local CPU wheel for 3.11; a registry wheel for 3.12 and for
+# npu-torch); a torch other than torch==X installs X over it
+torch_ok="import sys, torch; s = sys.argv[1]; sys.exit('==' in s and torch.__version__.split('+')[0] != s.split('==')[1])"
+"$VENV/bin/python" -c "$torch_ok" "$TORCH_SPEC" 2>/dev/null || "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
 "$VENV/bin/python" -m pip install -q "$MEGATRON_SPEC" -e ".[$EXTRAS]"
 [ "$created" = no ] || echo "set up $VENV ($("$VENV/bin/python" --version), $MEGATRON_SPEC) in $(( $(date +%s) - start )) s" >&2

@@ -2,7 +2,9 @@
 # The test command; it sets up what it needs (idempotent). Both ends of the supported megatron-core range:
 #  1. the newest release (.venv-latest: Python >= 3.12, scripts/test_latest_megatron.sh): the whole suite;
 #  2. megatron-core 0.16.1 (.venv: Python 3.11, the local CPU torch): tests/unit and every feature's check against
-#     unpatched Megatron in one layout (tests/distributed/test_every_feature_on_installed_megatron.py).
+#     unpatched Megatron in one layout (tests/distributed/test_every_feature_on_installed_megatron.py);
+#  3. the NPU backend on the oldest torch it claims (.venv-npu-torch, `scripts/setup.sh npu-torch`: torch 2.6.0,
+#     megatron-core 0.16.1): the tests/npu files where torch's version changes what runs (NPU_TORCH_LEG).
 # Without a Python >= 3.12 the whole suite runs on 0.16.1 instead, with a line saying so (CI requires both legs).
 # Pytest arguments pass through; a selection (-m, -k or a path), e.g. `bash scripts/test.sh -m "not distributed"`,
 # runs on the newest release only (on 0.16.1 where there is no Python >= 3.12).
@@ -14,10 +16,26 @@ for arg in "$@"; do
 done
 # + the NPU process-group test: torch_npu installs beside a CPU build of torch, which only this venv has
 BASE_LEG=(tests/unit tests/distributed/test_every_feature_on_installed_megatron.py tests/npu/test_npu_process_groups.py)
+# torch_npu pairs with torch 2.5 to 2.9 (megatron-core 0.16 needs 2.6), the other legs run 2.13: what depends on
+# torch's version under the NPU backend (collectives and the torch-function mode, the RNG and its generators, the
+# compile stance, the fake device's hooks and custom ops) runs again on 2.6 here, through the training runs' loss
+# lines, the process groups and HCCL collectives, the fake device, the fused ops and the compile stance. Left to
+# the newest leg: the feature checks (test_npu_check.py; the training runs cover its layouts) and the fake's op
+# argument rules (the *_rules.py and attention-mask files: the fake's own Python, not torch's).
+NPU_TORCH_LEG=(tests/npu/test_npu_training.py tests/npu/test_npu_process_groups.py tests/npu/test_fake_device.py
+               tests/npu/test_fake_npu_ops.py tests/npu/test_compile_stance.py tests/npu/test_npu_fidelity.py
+               tests/npu/test_global_tokens.py)
 
 on_base() {
   bash scripts/setup.sh >/dev/null
   MM_ADAPTOR_TEST_LEG=0.16.1 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+}
+
+on_npu_torch() {
+  bash scripts/setup.sh npu-torch >/dev/null
+  local version
+  version=$(.venv-npu-torch/bin/python -c "import importlib.metadata as m; print(m.version('torch'))")
+  MM_ADAPTOR_TEST_LEG="npu-torch-$version" .venv-npu-torch/bin/python -m pytest -q -p no:cacheprovider "$@"
 }
 
 # The time guard (scripts/time_budget.py): the whole command's seconds and each leg's seconds per test file.
@@ -50,7 +68,10 @@ fi
 echo "== megatron-core 0.16.1: the unit tests and every feature's check in one layout =="
 base=0
 on_base "${BASE_LEG[@]}" "$@" || base=$?
+echo "== the NPU backend on the oldest torch it claims: tests/npu where torch's version matters =="
+npu=0
+on_npu_torch "${NPU_TORCH_LEG[@]}" "$@" || npu=$?
 guard=0
 time_guard || guard=$?
-# pytest's 5 (nothing collected) from either leg must stay visible to .ci/run
-exit $(( status != 0 ? status : base != 0 ? base : guard ))
+# pytest's 5 (nothing collected) from any leg must stay visible to .ci/run
+exit $(( status != 0 ? status : base != 0 ? base : npu != 0 ? npu : guard ))

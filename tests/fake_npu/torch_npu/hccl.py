@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 CALLS: dict[str, int] = {}
+_AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions  # not exported by torch.distributed
 
 
 def _refuse_fp64(tensors):
@@ -104,7 +105,8 @@ class FakeHccl(dist.ProcessGroup):
     def broadcast(self, tensors, opts):
         return self._run("broadcast", tensors, tensors, lambda h: self._gloo.broadcast([h(t) for t in tensors], opts))
 
-    def allgather(self, outputs, inputs, opts):
+    def allgather(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else _AllgatherOptions()  # torch 2.6/2.7's all_gather passes none
         flat = [t for group in outputs for t in group]
         if any(len({tuple(t.shape) for t in group}) > 1 for group in outputs):
             return self._allgather_uneven(outputs, inputs, opts)
@@ -140,8 +142,22 @@ class FakeHccl(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs, inputs, opts):
         flat = [t for group in inputs for t in group]
-        return self._run("reduce_scatter", flat, outputs, lambda h: self._gloo.reduce_scatter(
-            [h(t) for t in outputs], [[h(t) for t in group] for group in inputs], opts))
+        try:
+            return self._run("reduce_scatter", flat, outputs, lambda h: self._gloo.reduce_scatter(
+                [h(t) for t in outputs], [[h(t) for t in group] for group in inputs], opts))
+        except RuntimeError as error:  # torch 2.6/2.7's gloo has no reduce_scatter: every rank raises alike
+            if "does not support reduce_scatter" not in str(error):
+                raise
+        # as HCCL's ReduceScatterV: each input list all-reduced whole, and this rank keeps its own part of it
+        pairs, works = [], []
+        for output, group in zip(outputs, inputs):
+            whole = torch.cat([_host(t).reshape(-1) for t in group])
+            all_reduce = dist.AllreduceOptions()
+            all_reduce.reduceOp = opts.reduceOp
+            works.append(self._gloo.allreduce([whole], all_reduce))
+            start = sum(t.numel() for t in group[:self.rank()])
+            pairs.append((output, whole[start:start + output.numel()].view(output.shape)))
+        return _CopyBack(_All(works), pairs)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
         return self._run("all_to_all_single", [input], [output], lambda h: self._gloo.alltoall_base(
@@ -191,6 +207,25 @@ class FakeHccl(dist.ProcessGroup):
         flat = [t for group in inputs for t in group]
         return self._run("scatter", flat, outputs, lambda h: self._gloo.scatter(
             [h(t) for t in outputs], [[h(t) for t in group] for group in inputs], opts))
+
+    # torch 2.6/2.7: its Python ProcessGroup trampoline overrides fewer methods, under these older names, and its
+    # distributed_c10d calls them by these names (torch_npu's HCCL is a C++ Backend, which needs none of them)
+    def _allgather_base(self, output, input, opts=None):
+        return self.all_gather_single(output, input, opts if opts is not None else _AllgatherOptions())
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        return self.reduce_scatter_single(output, input, opts if opts is not None else dist.ReduceScatterOptions())
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                      opts if opts is not None else dist.AllToAllOptions())
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self.all_gather_single_coalesced(outputs, inputs, opts if opts is not None else _AllgatherOptions())
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self.reduce_scatter_single_coalesced(outputs, inputs,
+                                                    opts if opts is not None else dist.ReduceScatterOptions())
 
 
 def _create(store, rank, size, timeout):

@@ -4,6 +4,9 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/core/GeneratorForPrivateuseone.h>
+#include <ATen/core/VariableHooksInterface.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/CPUFallback.h>
 #include <ATen/ops/_reshape_alias_native.h>
@@ -14,6 +17,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -123,8 +127,10 @@ struct PinnedAllocator final : c10::Allocator {
 PinnedAllocator g_pinned_allocator;
 
 struct Hooks final : at::PrivateUse1HooksInterface {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 7)  // hooks since torch 2.7
   bool isBuilt() const override { return true; }
   bool isAvailable() const override { return true; }
+#endif
   bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
   at::Device getDeviceFromPtr(void*) const override { return c10::Device(kNpu, t_current); }
   bool isPinnedPtr(const void* data) const override {
@@ -213,8 +219,27 @@ void set_device_count(int64_t n) { g_device_count = static_cast<int>(n); }
 int64_t current_device() { return t_current; }
 void set_device(int64_t i) { Guard().setDevice(c10::Device(kNpu, static_cast<c10::DeviceIndex>(i))); }
 
+// torch 2.6 makes torch.Generator(device='npu') through this registration, not through the hooks' getNewGenerator.
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 7
+at::Generator new_generator(c10::DeviceIndex index) { return at::make_generator<Generator>(index); }
+REGISTER_GENERATOR_PRIVATEUSE1(new_generator)
+#endif
+
+// Ops with no autograd kernel of their own (c10d's collectives, custom ops) on npu tensors need a backend fallback
+// for AutogradPrivateUse1: torch registers torch's own only in later releases (not 2.6 nor 2.7), and torch_npu
+// registers the same one where torch does not.
+void autograd_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  at::impl::GetVariableHooks()->basic_autograd_not_implemented_fallback(op, keys, stack);
+}
+torch::Library* g_autograd_fallback = nullptr;
+
 struct Registrar {
   Registrar() {
+    if (!c10::Dispatcher::singleton().hasBackendFallbackForDispatchKey(c10::DispatchKey::AutogradPrivateUse1)) {
+      g_autograd_fallback =
+          new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::AutogradPrivateUse1, __FILE__, __LINE__);
+      g_autograd_fallback->fallback(torch::CppFunction::makeFromBoxedFunction<&autograd_fallback>());
+    }
     c10::SetAllocator(kNpu, &g_allocator);
     static Hooks hooks;
     at::RegisterPrivateUse1HooksInterface(&hooks);
