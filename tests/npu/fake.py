@@ -29,3 +29,23 @@ def run_python(source: str, *, devices: int = 2, timeout: int = 600, **extra) ->
         if line.startswith("RESULT="):
             return json.loads(line[len("RESULT="):])
     raise AssertionError(f"no result (rc {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+
+
+# Script source: `out` gets, for each entry of the script's `calls` dict, "accepted" or the text of its refusal.
+TRY_EACH_CALL = """
+out = {}
+for name, call in calls.items():
+    try:
+        call()
+        out[name] = "accepted"
+    except Exception as exc:
+        out[name] = str(exc)
+"""
+
+
+def assert_refusals(result: dict, refused: dict, accepted) -> None:
+    """Each call in `refused` was refused with its words; each in `accepted` went through."""
+    for name, words in refused.items():
+        assert words in result[name], (name, result[name])
+    for name in accepted:
+        assert result[name] == "accepted", (name, result[name])
