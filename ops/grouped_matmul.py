@@ -4,12 +4,11 @@ forward and backward (see npu_fwd), one local expert as a plain matmul."""
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
 
-from mm_adaptor.ops.library import OpSpec, ensure, op, register
+from mm_adaptor.ops.library import OpSpec, ensure, npu_op_arguments, op, register
 
 
 def _segments(tokens_per_expert, tokens):
@@ -58,18 +57,11 @@ def _warn_once(message: str) -> None:
         warnings.warn(f"grouped_matmul on NPU: {message}", RuntimeWarning, stacklevel=3)
 
 
-@functools.lru_cache(maxsize=None)
-def _gmm_arguments() -> frozenset:
-    """The argument names of torch_npu's npu_grouped_matmul overloads, read from its schemas (nothing is called)."""
-    packet = torch.ops.npu.npu_grouped_matmul
-    return frozenset(a.name for name in packet.overloads() for a in getattr(packet, name)._schema.arguments)
-
-
 def npu_serves(x, weights) -> bool:
     """npu_grouped_matmul with a tensor group_list (op-plugin 7.0.0 on; before it, group_list is a host list that
     takes neither zero-token experts nor one expert): float16/bfloat16/float32, at most 1024 groups, K and N below
     the inner limit."""
-    if "group_list_type" not in _gmm_arguments():
+    if "group_list_type" not in npu_op_arguments("npu_grouped_matmul"):
         _warn_once("this torch_npu's npu_grouped_matmul has no tensor group_list (op-plugin before 7.0.0): the "
                    "reference runs")
         return False
@@ -120,7 +112,7 @@ def _weight_grad(x, dy, group_list, tokens_per_expert):
     there, and after a refusal, one matmul per expert (host counts: a sync if they are on the device)."""
     import torch_npu
 
-    if "tuning_config" in _gmm_arguments() and _K_SPLIT.get("ok", True):
+    if "tuning_config" in npu_op_arguments("npu_grouped_matmul") and _K_SPLIT.get("ok", True):
         try:
             dw = torch_npu.npu_grouped_matmul([x.contiguous().t()], [dy], group_list=group_list, group_type=2,
                                               group_list_type=0, split_item=3)[0]
@@ -176,8 +168,7 @@ SPECS = register(
 
 
 def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """Expert GEMMs over token-sorted rows: y[rows of e] = x[rows of e] @ weights[e]. The counts go to the host,
-    except on the NPU when they are already on x's device (torch_npu reads them there: no host sync)."""
+    """Expert GEMMs over token-sorted rows: y[rows of e] = x[rows of e] @ weights[e] (counts: placed_counts)."""
     ensure(x.device.type)
     return op("grouped_matmul_fwd")(x, weights, placed_counts(x, tokens_per_expert))
 

@@ -3,6 +3,7 @@ schemas, fakes and autograd formulas, and loads per device the native kernels or
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from dataclasses import dataclass
@@ -43,6 +44,14 @@ _impl_lib = torch.library.Library(NAMESPACE, "IMPL")
 def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
     """float64 for float64 inputs, float32 otherwise (as the native kernels accumulate)."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+@functools.lru_cache(maxsize=None)
+def npu_op_arguments(name: str) -> frozenset:
+    """The argument names of torch_npu's torch.ops.npu.<name>, over all its overloads, read from their schemas
+    (nothing is called): which release's form this torch_npu has."""
+    packet = getattr(torch.ops.npu, name)
+    return frozenset(a.name for overload in packet.overloads() for a in getattr(packet, overload)._schema.arguments)
 
 
 def op(name: str):

@@ -5,11 +5,9 @@ where torch_npu documents no kernel: see npu_serves)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from mm_adaptor.ops.library import OpSpec, accumulation_dtype, ensure, op, register
+from mm_adaptor.ops.library import OpSpec, accumulation_dtype, ensure, npu_op_arguments, op, register
 
 
 def _pairs(t, rot, interleaved):
@@ -57,12 +55,10 @@ def fake_bwd(dy, freqs, interleaved):
 NPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@functools.lru_cache(maxsize=None)
 def takes_rotary_mode() -> bool:
     """Whether torch_npu's npu_rotary_mul has the rotary_mode argument (op-plugin 7.0.0 on; 6.0.0, torch_npu for
-    torch 2.4 included, has npu_rotary_mul(self, r1, r2), rotate-half only): read from its schema, not called."""
-    packet = torch.ops.npu.npu_rotary_mul
-    return any(a.name == "rotary_mode" for name in packet.overloads() for a in getattr(packet, name)._schema.arguments)
+    torch 2.4 included, has npu_rotary_mul(self, r1, r2), rotate-half only)."""
+    return "rotary_mode" in npu_op_arguments("npu_rotary_mul")
 
 
 def npu_serves(t, freqs, interleaved, backward=False) -> bool:
