@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.npu.fake import run_python
 
@@ -52,12 +53,6 @@ SPECS = {
 GRAD_NORMS_ROUND_APART_ON_OLD_TORCH = {"ep2_fused_gmm_one_local_expert"}
 
 
-def _torch_before(version) -> bool:
-    import torch
-
-    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < version
-
-
 @pytest.fixture(scope="module")
 def runs():
     script = Path(__file__).with_name("train_runs.py")
@@ -77,7 +72,7 @@ def test_layout_gives_the_cpu_backends_losses_and_grad_norms_bit_for_bit(runs, l
     assert "error" not in npu, npu.get("error")
     assert "error" not in cpu, cpu.get("error")
     assert npu["losses"] == cpu["losses"], (npu, cpu)
-    if layout in GRAD_NORMS_ROUND_APART_ON_OLD_TORCH and _torch_before((2, 7)):
+    if layout in GRAD_NORMS_ROUND_APART_ON_OLD_TORCH and torch.__version__ < "2.7":
         pairs = [(a, b) for n, c in zip(npu["grad_norms"], cpu["grad_norms"]) for a, b in zip(n, c)]
         assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in pairs), (npu, cpu)
     else:
