@@ -92,8 +92,10 @@ def llama_like_driver_options(args, *extra: str):
     return parsed
 
 
-def init_single_rank(dist_backend: str) -> None:
-    """A one-rank process group and megatron's model-parallel state (all sizes 1)."""
+def init_single_rank(dist_backend: str = "gloo") -> None:
+    """A one-rank process group and megatron's model-parallel state (all sizes 1), both torn down at exit: a gloo
+    group left to the interpreter's shutdown can abort the process (exit -6) after its results were printed."""
+    import atexit
     import os
 
     import torch.distributed as dist
@@ -105,3 +107,13 @@ def init_single_rank(dist_backend: str) -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group(dist_backend, rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
+    atexit.register(_destroy_single_rank)
+
+
+def _destroy_single_rank() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -15,24 +15,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
-from _common import median_ms, print_table_header
-
-
-def init_single_rank():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from mm_adaptor.ranks.launcher import free_port
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
+from _common import init_single_rank, median_ms, print_table_header
 
 
 def build(args, dtype):

@@ -165,7 +165,7 @@ def main(argv=None):
             per_step = (swap["bytes_to_device"] + swap["bytes_to_host"]) / swap["steps"]
             print(f"# {r['name']}: {per_step / 1e9:.2f} GB copied per step (both ways), "
                   f"{per_step / 1e6 / r['optimizer_ms']:.2f} GB/s over the optimizer step")
-    return 0
+    return 1 if len(ok) < len(rows) else 0  # a failed configuration fails the command, after the table
 
 
 if __name__ == "__main__":

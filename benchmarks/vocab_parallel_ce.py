@@ -16,29 +16,14 @@ is the per-token work, where the two versions differ.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 from collections import Counter
 
 import torch
 
-from _common import median_ms, print_table_header
+from _common import init_single_rank, median_ms, print_table_header
 
 FEATURE = "optimize_vocab_parallel_ce"
-
-
-def init_single_rank():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from mm_adaptor import devices
-    from mm_adaptor.ranks.launcher import free_port
-
-    devices.install()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
 
 
 def patched(on: bool) -> None:
@@ -144,6 +129,9 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--min-run-time", type=float, default=0.5)
     args = parser.parse_args(argv)
+    from mm_adaptor import devices
+
+    devices.install()
     init_single_rank()
     gen = torch.Generator().manual_seed(0)
     print_ops(torch.randn(64, 1, 128, generator=gen), torch.randint(0, 128 * args.tp, (64, 1), generator=gen))
