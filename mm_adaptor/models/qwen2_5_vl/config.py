@@ -53,13 +53,14 @@ class Qwen25VLConfig:
 
 
 def config_from_hf(hf_config: dict, **overrides) -> Qwen25VLConfig:
-    """From an HF Qwen2.5-VL config dict (config.json, or Qwen2_5_VLConfig.to_dict()): text fields may sit at the
-    top level (released checkpoints) or under text_config (transformers >= 4.5x to_dict)."""
-    text = {**hf_config, **(hf_config.get("text_config") or {})}
-    vision = hf_config["vision_config"]
-    rope_scaling = text.get("rope_scaling") or hf_config.get("rope_scaling") or {}
-    if "mrope_section" not in rope_scaling:
-        raise ValueError("the HF config has no rope_scaling.mrope_section; Qwen2.5-VL needs it")
+    """From an HF Qwen2.5-VL config dict (config.json, or Qwen2_5_VLConfig.to_dict()) as transformers 4.x or 5.x
+    saves it (models/hf_config.py)."""
+    from mm_adaptor.models import hf_config as hf
+
+    text, vision = hf.text_config(hf_config), hf_config["vision_config"]
+    rope = hf.rope(hf_config, default_theta=1000000.0)
+    if rope.mrope_section is None:
+        raise ValueError(f"the HF config has no {rope.spelling}.mrope_section; Qwen2.5-VL needs it")
     kv_heads = text.get("num_key_value_heads") or text["num_attention_heads"]
     config = Qwen25VLConfig(
         vision_depth=vision["depth"],
@@ -81,11 +82,10 @@ def config_from_hf(hf_config: dict, **overrides) -> Qwen25VLConfig:
         num_attention_heads=text["num_attention_heads"],
         num_query_groups=kv_heads,
         norm_epsilon=text.get("rms_norm_eps", 1e-6),
-        rope_theta=text.get("rope_theta", 1000000.0),
-        mrope_section=tuple(rope_scaling["mrope_section"]),
+        rope_theta=rope.theta,
+        mrope_section=rope.mrope_section,
         max_position_embeddings=text.get("max_position_embeddings", 128000),
-        # as transformers decides: text_config's flag where there is one, else the top-level one
-        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+        tie_word_embeddings=hf.tied(hf_config),
         image_token_id=hf_config.get("image_token_id", 151655),
         video_token_id=hf_config.get("video_token_id", 151656),
         vision_start_token_id=hf_config.get("vision_start_token_id", 151652),

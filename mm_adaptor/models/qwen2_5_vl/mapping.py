@@ -8,29 +8,7 @@ from __future__ import annotations
 import math
 
 from mm_adaptor.convert.rules import Family, Rule
-
-
-def config_dict(config) -> dict:
-    return config if isinstance(config, dict) else config.to_dict()
-
-
-def text_config(config) -> dict:
-    """The language model's values: config.json's top level, overridden by a `text_config` where one is saved."""
-    cfg = config_dict(config)
-    return {**cfg, **(cfg.get("text_config") or {})}
-
-
-def vision_config(config) -> dict:
-    return dict(config_dict(config).get("vision_config") or {})
-
-
-def tied(config) -> bool:
-    """Whether lm_head shares the embedding, as transformers 4.57 decides it: text_config's flag where the config
-    has one (a top-level flag beside it is ignored), else the top-level flag; False when absent."""
-    cfg = config_dict(config)
-    if isinstance(cfg.get("text_config"), dict):
-        return bool(cfg["text_config"].get("tie_word_embeddings", False))
-    return bool(cfg.get("tie_word_embeddings", False))
+from mm_adaptor.models.hf_config import config_dict, text_config, tied, vision_config
 
 
 def dims(config) -> dict:
