@@ -1,9 +1,12 @@
-"""`mm-adaptor generate --load DIR --image IMG --prompt TEXT [--max-new-tokens N] [--tokenizer-model DIR]`:
-greedy decoding with the Megatron Qwen2.5-VL (TP1, one process, no KV cache: the whole sequence each step).
+"""`mm-adaptor generate --load DIR --image IMG --prompt TEXT [--max-new-tokens N] [--json]
+[--tensor-model-parallel-size T] [--expert-model-parallel-size E]`: greedy decoding with the Megatron model of
+DIR's family (no KV cache: the whole sequence each step), on T x E local ranks (or under torchrun).
 
-DIR is a converted checkpoint or a training run's --save (its hf/config.json says the model's shape). The prompt is
-one user turn of Qwen's chat template with the image before the text, followed by the assistant header, as the
-training data lays samples out (mm_adaptor.data); decoding stops at <|im_end|> / <|endoftext|> or after N tokens."""
+DIR is a converted checkpoint or a training run's --save: its hf/config.json names the family (model_type) and its
+shape. The prompt is one user turn of Qwen's chat template with the image before the text, followed by the
+assistant header, as the training data lays samples out (mm_adaptor.data); decoding stops at <|im_end|> /
+<|endoftext|> or after N tokens. --json prints one object: prompt_ids, new_ids, text and logprobs (the
+log-probability of each chosen token under the model, in float32)."""
 
 from __future__ import annotations
 
@@ -25,18 +28,27 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--tokenizer-model", default=None, help="HF tokenizer directory (default: DIR/hf when it holds "
                                                            "one, else the built-in byte tokenizer)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (prompt_ids, new_ids, text, logprobs)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1, help="for a mixture-of-experts family")
     return p
 
 
-def load_model(load_dir: str):
-    """(model, Qwen25VLConfig) from the latest checkpoint under load_dir; megatron's parallel state must be set."""
+def load_model(load_dir: str, **layout):
+    """(model, config) from the latest checkpoint under load_dir, built by its family (registry); megatron's parallel
+    state must be set to the layout's sizes."""
+    import dataclasses
+
     from megatron.core import dist_checkpointing
 
-    from mm_adaptor.models.qwen2_5_vl import config_from_hf, model_provider
+    from mm_adaptor.models import registry
     from mm_adaptor.train.checkpoint import latest_checkpoint
 
-    config = config_from_hf(json.loads((Path(load_dir) / "hf" / "config.json").read_text()))
-    model = model_provider(config, pre_process=True, post_process=True).eval()
+    spec = registry.spec_for_directory(load_dir)
+    config = spec.config_from_hf(registry.hf_config_of(load_dir))
+    fields = {f.name for f in dataclasses.fields(config)}
+    config = dataclasses.replace(config, **{k: v for k, v in layout.items() if k in fields})
+    model = spec.package_module().model_provider(config, pre_process=True, post_process=True).eval()
     path = latest_checkpoint(load_dir)
     if path is None:
         raise FileNotFoundError(f"--load {load_dir}: no latest_checkpointed_iteration.txt")
@@ -45,8 +57,9 @@ def load_model(load_dir: str):
     return model, config
 
 
-def prompt_inputs(tokenizer, prompt: str, image_path: str | None):
-    """(input_ids [1, s], pixel_values or None, image_grid_thw or None) of one user turn and the assistant header."""
+def prompt_inputs(tokenizer, prompt: str, image_path: str | None, processing=None):
+    """(input_ids [1, s], pixel_values or None, image_grid_thw or None) of one user turn and the assistant header;
+    processing: the family's image preprocessing (data.images.ImageProcessing), Qwen2.5-VL's by default."""
     import torch
     from PIL import Image
 
@@ -57,7 +70,7 @@ def prompt_inputs(tokenizer, prompt: str, image_path: str | None):
     pixels, grids = None, []
     if image_path:
         with Image.open(image_path) as image:
-            values, grid = image_ops.preprocess(image)
+            values, grid = processing.preprocess(image) if processing is not None else image_ops.preprocess(image)
         pixels, grids = torch.from_numpy(values), [tuple(grid)]
     record = SimpleNamespace(messages=[{"role": "user", "content": (IMAGE_TAG if image_path else "") + prompt}])
     ids, _ = encode(record, grids, tokenizer)
@@ -67,30 +80,33 @@ def prompt_inputs(tokenizer, prompt: str, image_path: str | None):
 
 
 def greedy(model, config, input_ids, pixel_values=None, image_grid_thw=None, max_new_tokens: int = 32,
-           stop_ids=()) -> list[int]:
-    """The new token ids, argmax of the last position each step, the whole sequence run again every step."""
+           stop_ids=()) -> tuple[list[int], list[float]]:
+    """The new token ids and their log-probabilities: argmax of the last position each step, the whole sequence
+    run again every step."""
     import torch
 
-    from mm_adaptor.models.qwen2_5_vl import rope_index_for
+    from mm_adaptor.models import rope_index_for
 
-    ids, new = input_ids, []
+    ids, new, logprobs = input_ids, [], []
     with torch.no_grad():
         for _ in range(max_new_tokens):
             positions, _ = rope_index_for(config, ids, image_grid_thw)
             logits = model(ids, positions, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                            runtime_gather_output=True)
-            token = int(logits[0, -1].argmax())
+            last = logits[0, -1].float()
+            token = int(last.argmax())
             new.append(token)
+            logprobs.append(float(torch.log_softmax(last, dim=-1)[token]))
             if token in stop_ids:
                 break
             ids = torch.cat([ids, torch.tensor([[token]], dtype=ids.dtype)], dim=1)
-    return new
+    return new, logprobs
 
 
-def one_process_megatron():
-    """A one-rank gloo group and megatron's model-parallel state, all of size 1."""
+def init_megatron(tensor_parallel: int = 1, expert_parallel: int = 1) -> None:
+    """The process group (one rank of its own when no launcher set one up) and megatron's parallel state."""
     import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel as megatron_tp
 
     from mm_adaptor import devices
     from mm_adaptor.ranks.launcher import free_port
@@ -99,9 +115,42 @@ def one_process_megatron():
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     devices.install("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
+        dist.init_process_group("gloo", rank=int(os.environ.get("RANK", 0)),
+                                world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    parallel_state.initialize_model_parallel(tensor_parallel, 1, expert_model_parallel_size=expert_parallel)
+    megatron_tp.model_parallel_cuda_manual_seed(0)
+
+
+
+def _generate(args) -> None:
+    """One rank's decoding; rank 0 prints."""
+    import torch.distributed as dist
+
+    from mm_adaptor.data import images as image_ops
+    from mm_adaptor.data import load_tokenizer
+    from mm_adaptor.ranks.warning_digest import verbose
+
+    if not verbose():  # library notices (no Transformer Engine/Apex, deprecations) are noise here
+        warnings.simplefilter("ignore")
+    init_megatron(args.tensor_model_parallel_size, args.expert_model_parallel_size)
+    model, config = load_model(args.load, tensor_model_parallel_size=args.tensor_model_parallel_size,
+                               expert_model_parallel_size=args.expert_model_parallel_size)
+    hf = Path(args.load) / "hf"
+    tokenizer = load_tokenizer(args.tokenizer_model or (str(hf) if (hf / "tokenizer.json").exists() else None),
+                               config)
+    processing = image_ops.ImageProcessing.for_directory(hf, config) if hasattr(image_ops, "ImageProcessing") else None
+    input_ids, pixels, grid = prompt_inputs(tokenizer, args.prompt, args.image, processing)
+    stops = {tokenizer.special_ids["<|im_end|>"], tokenizer.special_ids["<|endoftext|>"]}
+    new, logprobs = greedy(model, config, input_ids, pixels, grid, args.max_new_tokens, stops)
+    if dist.get_rank() == 0:
+        text = tokenizer.decode([t for t in new if t not in stops])
+        if args.json:
+            print(json.dumps({"prompt_ids": input_ids[0].tolist(), "new_ids": new, "text": text,
+                              "logprobs": logprobs}))
+        else:
+            print(text)
+        print(f"generated {len(new)} tokens: {new}", file=sys.stderr)
+    dist.destroy_process_group()
 
 
 def main(argv=None) -> int:
@@ -109,26 +158,56 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.fail(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+    for flag in ("tensor_model_parallel_size", "expert_model_parallel_size"):
+        if getattr(args, flag) < 1:
+            parser.fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
     if not (Path(args.load) / "hf" / "config.json").is_file():
         parser.fail(f"--load {args.load} has no hf/config.json: give a converted checkpoint or a training --save")
     if args.image and not Path(args.image).is_file():
         parser.fail(f"--image {args.image}: no such file")
+    problem = _layout_problem(args)
+    if problem:
+        parser.fail(problem)
     from mm_adaptor.data import DataError, load_tokenizer
-    from mm_adaptor.ranks.warning_digest import verbose
+    from mm_adaptor.ranks.launcher import LaunchError, launch, under_launcher
 
-    if not verbose():  # library notices (no Transformer Engine/Apex, deprecations) are noise here
-        warnings.simplefilter("ignore")
-    one_process_megatron()
-    model, config = load_model(args.load)
-    hf = Path(args.load) / "hf"
-    try:
-        tokenizer = load_tokenizer(args.tokenizer_model or (str(hf) if (hf / "tokenizer.json").exists() else None),
-                                   config)
-        input_ids, pixels, grid = prompt_inputs(tokenizer, args.prompt, args.image)
-    except DataError as exc:
+    try:  # the prompt's problems (tokenizer, image) in one line before any rank starts
+        config = _config(args)
+        hf = Path(args.load) / "hf"
+        load_tokenizer(args.tokenizer_model or (str(hf) if (hf / "tokenizer.json").exists() else None), config)
+    except (DataError, ValueError) as exc:
         parser.fail(str(exc))
-    stops = {tokenizer.special_ids["<|im_end|>"], tokenizer.special_ids["<|endoftext|>"]}
-    new = greedy(model, config, input_ids, pixels, grid, args.max_new_tokens, stops)
-    print(tokenizer.decode([t for t in new if t not in stops]))
-    print(f"generated {len(new)} tokens: {new}", file=sys.stderr)
+    ranks = args.tensor_model_parallel_size * args.expert_model_parallel_size
+    if under_launcher() or ranks == 1:
+        _generate(args)
+        return 0
+    try:
+        launch(_generate, (args,), nproc=ranks, timeout=900)
+    except LaunchError as exc:
+        print(f"mm-adaptor generate: {exc}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _config(args):
+    from mm_adaptor.models import registry
+
+    return registry.spec_for_directory(args.load).config_from_hf(registry.hf_config_of(args.load))
+
+
+def _layout_problem(args) -> str | None:
+    """One line when the model cannot take the layout (heads, key/value groups or experts not divisible)."""
+    try:
+        config = _config(args)
+    except ValueError as exc:
+        return f"--load {args.load}: {exc}"
+    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
+    for name, value in (("attention heads", config.num_attention_heads), ("key/value groups", config.num_query_groups)):
+        if value % tp:
+            return f"--tensor-model-parallel-size {tp}: the model's {value} {name} are not divisible by it"
+    experts = getattr(config, "num_experts", None) or 0
+    if ep > 1 and not experts:
+        return f"--expert-model-parallel-size {ep}: the model has no experts"
+    if experts and experts % ep:
+        return f"--expert-model-parallel-size {ep}: the model's {experts} experts are not divisible by it"
+    return None

@@ -1,18 +1,14 @@
-"""Which mapping table a Hugging Face config belongs to (its model_type)."""
+"""Which mapping table a Hugging Face config belongs to: its model_type's family in the model registry."""
 
 from __future__ import annotations
 
-import importlib
-
-FAMILIES = {"qwen2_5_vl": "mm_adaptor.models.qwen2_5_vl.mapping"}
+from mm_adaptor.models import registry
+from mm_adaptor.models.hf_config import config_dict
 
 
 def _module(config):
-    cfg = config if isinstance(config, dict) else config.to_dict()
-    model_type = cfg.get("model_type")
-    if model_type not in FAMILIES:
-        raise ValueError(f"model_type {model_type!r} has no mapping table (known: {', '.join(FAMILIES)})")
-    return importlib.import_module(FAMILIES[model_type]), cfg
+    cfg = config_dict(config)
+    return registry.spec_for_hf_config(cfg).mapping_module(), cfg
 
 
 def family_for(config):

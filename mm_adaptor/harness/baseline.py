@@ -20,7 +20,7 @@ from pathlib import Path
 
 CACHE_ENV = "MM_ADAPTOR_BASELINE_CACHE"
 # Arguments that change how a run reports, not what it computes.
-_NOT_IN_KEY = {"dump", "quiet", "silent", "timeout", "log_interval"}
+_NOT_IN_KEY = {"dump", "quiet", "silent", "timeout", "log_interval", "validated_data"}
 # Plugin features are off in a baseline, so they apply nothing to it.
 _ENV_NOT_IN_KEY = {CACHE_ENV, "MM_ADAPTOR_FEATURE_MODULES"}
 _SOURCE_SUFFIXES = (".py", ".cpp", ".cu", ".h")

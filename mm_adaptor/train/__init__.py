@@ -15,7 +15,7 @@ import tempfile
 from mm_adaptor.core import features
 from mm_adaptor.ranks.launcher import Interrupted, LaunchError, launch, under_launcher
 from mm_adaptor.ranks.warning_digest import print_every_ranks_warnings_once
-from mm_adaptor.train import vlm
+from mm_adaptor.train import families
 from mm_adaptor.train.arguments import LayoutError, build_parser, check_paths, finalize_args, parse_args
 from mm_adaptor.train.checkpoint_files import latest_checkpoint
 from mm_adaptor.train.dump import Dump, RankDump, dump_entries, read_dump
@@ -29,8 +29,7 @@ def check_args(args: argparse.Namespace, world_size: int, *, check_devices: bool
     """Raise LayoutError (one line per problem) or FeatureConfigError before any rank starts: ranges and layout,
     then the features, then the directories (only then is --save created and probed)."""
     finalize_args(argparse.Namespace(**vars(args)), world_size)
-    if vlm.is_vlm(args):
-        vlm.shape_args(args)  # the features check the model's shape (RMSNorm, SwiGLU, rope)
+    families.of(args).shape_args(args)  # the features check the model's shape (RMSNorm, SwiGLU, rope)
     options = features.fill_defaults(args)
     features.validate(options, features.serving(options, features.enabled_features(options)))
     check_paths(args)
@@ -41,11 +40,10 @@ def check_args(args: argparse.Namespace, world_size: int, *, check_devices: bool
 
 
 def _check_data(args: argparse.Namespace) -> None:
-    """A VLM's data set is validated here, before any rank starts (its DataError is one line)."""
-    if vlm.is_vlm(args):
-        problems = vlm.data_problems(args)
-        if problems:
-            raise LayoutError(*problems)
+    """A VLM's data set is validated here, once, before any rank starts (its DataError is one line)."""
+    problems = families.of(args).data_problems(args)
+    if problems:
+        raise LayoutError(*problems)
 
 
 def _ranks_per_node_problem(args: argparse.Namespace) -> str | None:

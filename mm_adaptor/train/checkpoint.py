@@ -11,7 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
-from mm_adaptor.train import vlm
+from mm_adaptor.train import families
 from mm_adaptor.train.checkpoint_files import (  # noqa: F401  (latest_checkpoint: callers read it here too)
     CONTENTS, MARKER, checkpoint_dir, latest_checkpoint, publish, replace_file)
 from mm_adaptor.core.wrapped import unwrap
@@ -84,7 +84,7 @@ def load_checkpoint(state, directory: str, *, load_optim: bool = True, load_rng:
     contents = json.loads((path / CONTENTS).read_text()) if (path / CONTENTS).exists() else None
     if contents is not None and not contents["optimizer"]:
         load_optim = False  # saved with --no-save-optim
-    if contents is None and vlm.is_vlm(state.args):
+    if contents is None and families.of(state.args).loads_converted_checkpoints:
         load_optim = False  # a converted checkpoint: weights only
     loaded = dist_checkpointing.load(_sharded_state_dict(state, is_loading=True, with_optimizer=load_optim), str(path))
     for i, chunk in enumerate(state.model):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from mm_adaptor.train import hybrid, vlm
+from mm_adaptor.train import families
 from mm_adaptor.train.model import ffn_hidden_size
 
 
@@ -83,25 +83,23 @@ def _not_divisible(flag: str, value: int, by_flag: str, by: int, why: str = "", 
 def finalize_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Derive defaults; raise LayoutError listing every out-of-range value, or else every broken rule of the
     layout (Megatron-LM's divisibility rules for what the driver builds)."""
-    is_hybrid = getattr(args, "hybrid_layer_pattern", None) is not None
-    if is_hybrid and not hybrid.available():
-        raise LayoutError(hybrid.unavailable())
-    problems = range_problems(args) + (vlm.shape_args(args) if vlm.is_vlm(args) else [])
+    try:
+        family = families.of(args)
+    except ValueError as exc:
+        raise LayoutError(str(exc)) from None
+    problems = family.problems_before_layout(args)
     if problems:
         raise LayoutError(*problems)
-    if is_hybrid:
-        problems = hybrid.problems(args) or (
-            [f"{hybrid.FLAG} builds a language model: it does not combine with the vision-language model's flags"]
-            if vlm.is_vlm(args) else [])
-        if problems:
-            raise LayoutError(*problems)
+    problems = range_problems(args) + family.shape_args(args)
+    if problems:
+        raise LayoutError(*problems)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    problems = (_precision_problems(args) + _parallel_layout(args, world_size, is_hybrid) + _attention_problems(args)
+    problems = (_precision_problems(args) + _parallel_layout(args, world_size, family) + _attention_problems(args)
                 + _width_problems(args) + _expert_problems(args, world_size) + _batches(args)
-                + _optimizer_and_recompute_problems(args, is_hybrid))
-    if not problems and vlm.is_vlm(args):
-        problems = vlm.problems(args)
+                + _optimizer_and_recompute_problems(args, family))
+    if not problems:
+        problems = family.problems(args)
     if problems:
         raise LayoutError(*problems)
     return args
@@ -114,7 +112,7 @@ def _precision_problems(args) -> list[str]:
     return ["--bf16 and --fp16 are exclusive: pick one"] if args.bf16 and args.fp16 else []
 
 
-def _parallel_layout(args, world_size: int, is_hybrid: bool) -> list[str]:
+def _parallel_layout(args, world_size: int, family) -> list[str]:
     """args.data_parallel_size and args.virtual_pipeline_model_parallel_size (None where the layout is broken)."""
     problems = []
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -128,12 +126,12 @@ def _parallel_layout(args, world_size: int, is_hybrid: bool) -> list[str]:
         args.data_parallel_size = world_size // (tp * pp)
     if args.sequence_parallel and tp == 1:
         problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if args.num_layers % pp != 0 and not getattr(args, "pipeline_layers", None) and not is_hybrid:
+    if args.num_layers % pp != 0 and not getattr(args, "pipeline_layers", None) and not family.splits_stages:
         problems.append(_not_divisible("--num-layers", args.num_layers, "--pipeline-model-parallel-size", pp))
     args.virtual_pipeline_model_parallel_size = None
-    per_stage = _layers_per_stage(args, is_hybrid)
-    if is_hybrid:  # the pattern's '|' segments are the (virtual) pipeline stages; hybrid.problems checked them
-        args.virtual_pipeline_model_parallel_size = hybrid.virtual_stages(args)
+    per_stage = family.layers_per_stage(args)
+    if family.splits_stages:  # e.g. a hybrid pattern's '|' segments, which the family's problems checked
+        args.virtual_pipeline_model_parallel_size = family.virtual_stages(args)
     elif args.num_layers_per_virtual_pipeline_stage is not None:
         if pp < 2:
             problems.append("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size >= 2")
@@ -146,10 +144,6 @@ def _parallel_layout(args, world_size: int, is_hybrid: bool) -> list[str]:
         else:
             args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
     return problems
-
-
-def _layers_per_stage(args, is_hybrid: bool) -> int:
-    return hybrid.layers_per_stage(args) if is_hybrid else args.num_layers // args.pipeline_model_parallel_size
 
 
 def _attention_problems(args) -> list[str]:
@@ -245,7 +239,7 @@ def _batches(args) -> list[str]:
     return []
 
 
-def _optimizer_and_recompute_problems(args, is_hybrid: bool) -> list[str]:
+def _optimizer_and_recompute_problems(args, family) -> list[str]:
     problems = []
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         problems.append("--overlap-param-gather needs --use-distributed-optimizer")
@@ -254,7 +248,7 @@ def _optimizer_and_recompute_problems(args, is_hybrid: bool) -> list[str]:
                         "--recompute-num-layers")
     if args.recompute_granularity != "full" and (args.recompute_method or args.recompute_num_layers):
         problems.append("--recompute-method and --recompute-num-layers need --recompute-granularity full")
-    per_stage = _layers_per_stage(args, is_hybrid)
+    per_stage = family.layers_per_stage(args)
     if args.recompute_num_layers is not None and args.recompute_num_layers > per_stage:
         problems.append(f"--recompute-num-layers {args.recompute_num_layers} is above the layers per pipeline stage "
                         f"({per_stage}): use 1 to {per_stage}")

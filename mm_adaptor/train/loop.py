@@ -8,14 +8,12 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
-from functools import partial
 
 import mm_adaptor
 from mm_adaptor.ranks.launcher import report_progress
-from mm_adaptor.train import vlm
+from mm_adaptor.train import families
 from mm_adaptor.train.arguments import finalize_args
 from mm_adaptor.train.checkpoint import load_checkpoint, save_checkpoint
-from mm_adaptor.train.data import MockBatches
 from mm_adaptor.train.dump import Recorder
 from mm_adaptor.train.logs import StepRecord, describe_layout, format_iteration, print_last_rank, set_silent, summary
 from mm_adaptor.train.model import (  # noqa: F401  (loss_func: callers read it here too)
@@ -33,10 +31,7 @@ class RunState:
     memory: dict = field(default_factory=dict)
 
 
-def forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
+forward_step = families.forward_step  # the GPT's (callers read it here)
 
 
 def measured_forward_step(state: RunState, forward_step=forward_step):
@@ -158,16 +153,8 @@ def _build(args, device) -> RunState:
                                      args.data_parallel_size)
     _set_seeds(args.seed)
     state = RunState(args=args)
-    if vlm.is_vlm(args):
-        chunks = vlm.build_model(args, device, state.memory)
-        config = chunks[0].config
-    else:
-        config = transformer_config(args)
-        chunks = build_model(args, config, device)
-        if getattr(args, "hybrid_layer_pattern", None) is not None:
-            from mm_adaptor.train import hybrid
-
-            state.memory["hybrid_layer_kinds"] = hybrid.layer_kinds(chunks)  # what was built, read back
+    chunks = families.of(args).build(args, device, state.memory)
+    config = chunks[0].config
     state.model = wrap_model(args, config, chunks)
     state.optimizer, state.scheduler = build_optimizer(args, config, state.model)
     config.grad_scale_func = state.optimizer.scale_loss
@@ -188,18 +175,14 @@ def _train(args, backend) -> None:
     device = backend.torch_device()  # where the model, its batches and the collectives' tensors live
     state = _build(args, device)
     recorder = Recorder(state.model) if args.dump else None
-    if vlm.is_vlm(args):
-        data = [vlm.batches(args, ps.get_data_parallel_rank(), state.iteration, device)]
-        step_func = vlm.forward_step
-    else:
-        data = [MockBatches(args, ps.get_data_parallel_rank(), state.iteration, device) for _ in state.model]
-        step_func = forward_step
+    family = families.of(args)
+    data = family.batches(args, ps.get_data_parallel_rank(), state.iteration, device, state.model)
+    step_func = family.forward_step
     fb = get_forward_backward_func()
     tokens_per_step = args.global_batch_size * args.seq_length
     layout = describe_layout(args)
     if not args.quiet:
-        model = f" | HybridModel {args.hybrid_layer_pattern!r}" if getattr(args, "hybrid_layer_pattern", None) else ""
-        print_last_rank(f" mm-adaptor train: {layout}{model} | device backend: {backend.describe()} | "
+        print_last_rank(f" mm-adaptor train: {layout}{family.banner(args)} | device backend: {backend.describe()} | "
                         f"features: {', '.join(applied_features()) or 'none'}")
         if state.memory.get("frozen_towers"):
             count = state.memory["frozen_elements"]
@@ -258,6 +241,5 @@ def _global_tokens(data, tokens_per_step: int, device) -> int:
 def _save(state, args):
     report_progress("saving", state.iteration)
     save_checkpoint(state, args.save, save_optim=not args.no_save_optim, save_rng=not args.no_save_rng)
-    if vlm.is_vlm(args):
-        vlm.save_side_files(args)
+    families.of(args).save_side_files(args)
     print_last_rank(f" saved checkpoint to {args.save} at iteration {state.iteration}")

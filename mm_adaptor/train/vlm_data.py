@@ -1,5 +1,5 @@
 """Batches for the driver's VLM branch: a data set through mm_adaptor.data, or synthetic image + text samples
-(qwen2_5_vl-tiny without --data-path). Either way sample g depends only on (seed, g), so every layout sees the
+(NAME-tiny without --data-path). Either way sample g depends only on (seed, g), so every layout sees the
 same global batch, and a resumed run continues where it stopped."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class SyntheticBatches(_Batches):
     def sample_batch(self, indices):
         import torch
 
-        from mm_adaptor.models.qwen2_5_vl import rope_index_for
+        from mm_adaptor.models import rope_index_for
 
         seqs, pixels, masks = zip(*(self.sample(i) for i in indices))
         seqs = torch.stack(seqs)
@@ -80,7 +80,8 @@ class DatasetBatches:
         self.device, self.tokens_this_step = device, 0
         self.batches = build(args.data_path, tokenizer(args, config), config, args.seq_length, args.micro_batch_size,
                              args.global_batch_size, dp_rank, args.data_parallel_size, start_iteration,
-                             skip_bad_samples=args.skip_bad_samples, seed=args.seed)
+                             skip_bad_samples=args.skip_bad_samples, seed=args.seed,
+                             report=getattr(args, "validated_data", None))
 
     def __iter__(self):
         return self
@@ -113,7 +114,8 @@ def tokenizer(args, config):
 
 def validate(args, config) -> list[str]:
     """The data set's validation pass (images opened, tokens counted) and the tokenizer/`config` match: the
-    DataError's line, or nothing."""
+    DataError's line, or nothing. The pass's report goes to args.validated_data, which the ranks this process
+    launches receive with their arguments: they build their batches from it without a second pass."""
     from mm_adaptor.data import DataError, check_model_matches
     from mm_adaptor.data import validate as validate_data
 
@@ -125,4 +127,5 @@ def validate(args, config) -> list[str]:
             raise DataError(f"no usable samples ({report.skipped} bad ones skipped)")
     except DataError as exc:
         return [f"--data-path {args.data_path}: {exc}"]
+    args.validated_data = report
     return []

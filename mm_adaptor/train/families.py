@@ -1,0 +1,140 @@
+"""The driver's hooks per model family (mm_adaptor.models.registry names them): the model's shape as driver
+arguments, the family's parallel constraints, the model built for this rank, its batches and its forward step.
+Everything else (layout, DDP, optimizer, schedule, checkpoints, logs) is shared.
+
+`of(args)` looks the family up once per process and argument set: `--model NAME[-tiny]`, and for the default
+`gpt` a --hybrid-layer-pattern picks the HybridModel."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+from mm_adaptor.models import registry
+
+
+def family_name(args) -> str:
+    """--model's value; for the default (gpt): hybrid with a pattern, the converted --load's own family."""
+    model = getattr(args, "model", "gpt")
+    if model != "gpt":
+        return model
+    if getattr(args, "hybrid_layer_pattern", None) is not None:
+        return "hybrid"
+    load = getattr(args, "load", None)
+    if load and (Path(load) / "hf" / "config.json").is_file():
+        args.model = registry.spec_for_directory(load).name  # ValueError names an unknown model_type
+        return args.model
+    return model
+
+
+def of(args):
+    """The driver hooks of the run's family."""
+    return _hooks(family_name(args))
+
+
+_HOOKS: dict[str, object] = {}
+
+
+def _hooks(model: str):
+    if model not in _HOOKS:
+        spec, tiny = registry.resolve(model)
+        hooks = spec.driver_hooks()
+        hooks.model, hooks.tiny = model, tiny
+        _HOOKS[model] = hooks
+    return _HOOKS[model]
+
+
+def forward_step(data_iterator, model):
+    from mm_adaptor.train.model import loss_func
+
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+class Gpt:
+    """Megatron-core's GPT on the local spec, on the driver's mock data; the model flags are the user's."""
+
+    # a --load without the driver's contents file is a converted checkpoint: weights only
+    loads_converted_checkpoints = False
+    # the family splits pipeline stages itself (a pattern or --pipeline-layers), not --num-layers / PP
+    splits_stages = False
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.model, self.tiny = spec.name, False
+
+    forward_step = staticmethod(forward_step)
+
+    def problems_before_layout(self, args) -> list[str]:
+        """What stops the run before any range or layout rule is read (one line each)."""
+        return []
+
+    def shape_args(self, args) -> list[str]:
+        """Set the model's shape into the driver's model flags (so the layout rules check it); its problems."""
+        return []
+
+    def problems(self, args) -> list[str]:
+        """What the family cannot run, after the driver's own layout rules (one line each)."""
+        return []
+
+    def data_problems(self, args) -> list[str]:
+        return []
+
+    def layers_per_stage(self, args) -> int:
+        return args.num_layers // args.pipeline_model_parallel_size
+
+    def virtual_stages(self, args) -> int | None:
+        raise NotImplementedError  # only families with splits_stages say it
+
+    def build(self, args, device, memory: dict) -> list:
+        from mm_adaptor.train.model import build_model, transformer_config
+
+        return build_model(args, transformer_config(args), device)
+
+    def batches(self, args, dp_rank: int, start_iteration: int, device, chunks) -> list:
+        from mm_adaptor.train.data import MockBatches
+
+        return [MockBatches(args, dp_rank, start_iteration, device) for _ in chunks]
+
+    def banner(self, args) -> str:
+        return ""
+
+    def save_side_files(self, args) -> None:
+        pass
+
+
+class Hybrid(Gpt):
+    """Megatron-core's HybridModel from --hybrid-layer-pattern (0.18 and newer)."""
+
+    splits_stages = True  # the pattern's '|' segments are the (virtual) pipeline stages
+
+    def problems_before_layout(self, args) -> list[str]:
+        from mm_adaptor.train import hybrid
+
+        return [] if hybrid.available() else [hybrid.unavailable()]
+
+    def shape_args(self, args) -> list[str]:
+        from mm_adaptor.train import hybrid
+
+        return hybrid.problems(args)  # the pattern sets --num-layers
+
+    def layers_per_stage(self, args) -> int:
+        from mm_adaptor.train import hybrid
+
+        return hybrid.layers_per_stage(args)
+
+    def virtual_stages(self, args) -> int | None:
+        from mm_adaptor.train import hybrid
+
+        return hybrid.virtual_stages(args)
+
+    def build(self, args, device, memory: dict) -> list:
+        from mm_adaptor.train import hybrid
+
+        chunks = super().build(args, device, memory)
+        memory["hybrid_layer_kinds"] = hybrid.layer_kinds(chunks)  # what was built, read back
+        return chunks
+
+    def banner(self, args) -> str:
+        return f" | HybridModel {args.hybrid_layer_pattern!r}"
