@@ -232,15 +232,17 @@ class BatchIterator:
 def build(data_path, tokenizer, config, seq_length: int, micro_batch_size: int = 1, global_batch_size: int = 1,
           dp_rank: int = 0, dp_size: int = 1, start_iteration: int = 0,
           image_min_pixels: int | None = None, image_max_pixels: int | None = None,
-          skip_bad_samples: bool = False, max_samples: int | None = None, seed: int = 1234) -> BatchIterator:
+          skip_bad_samples: bool = False, max_samples: int | None = None, seed: int = 1234,
+          report: Report | None = None) -> BatchIterator:
     """Validate the data (DataError on bad records unless skip_bad_samples) and return this rank's BatchIterator.
     config: the Qwen25VLConfig (its token ids must be the tokenizer's: check_model_matches)."""
     from mm_adaptor.data.tokenizer import check_model_matches
 
     check_model_matches(tokenizer, config)
     image_min_pixels, image_max_pixels = _pixel_bounds(image_min_pixels, image_max_pixels)
-    report = validate(data_path, tokenizer, seq_length, image_min_pixels, image_max_pixels, max_samples,
-                      skip_bad_samples)
+    if report is None:  # else the launching process's validation pass of the same data and settings
+        report = validate(data_path, tokenizer, seq_length, image_min_pixels, image_max_pixels, max_samples,
+                          skip_bad_samples)
     if not report.samples:
         raise DataError(f"no usable samples in {data_path} ({report.skipped} bad ones skipped)")
     return BatchIterator(report, tokenizer, config, seq_length, micro_batch_size, global_batch_size, dp_rank,
