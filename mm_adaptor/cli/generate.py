@@ -70,10 +70,10 @@ def prompt_inputs(tokenizer, prompt: str, image_path: str | None, processing=Non
     pixels, grids = None, []
     if image_path:
         with Image.open(image_path) as image:
-            values, grid = processing.preprocess(image) if processing is not None else image_ops.preprocess(image)
+            values, grid = (processing or image_ops.QWEN2_5_VL).preprocess(image)
         pixels, grids = torch.from_numpy(values), [tuple(grid)]
     record = SimpleNamespace(messages=[{"role": "user", "content": (IMAGE_TAG if image_path else "") + prompt}])
-    ids, _ = encode(record, grids, tokenizer)
+    ids, _ = encode(record, grids, tokenizer, processing)
     ids += [tokenizer.special_ids["<|im_start|>"]] + tokenizer.encode("assistant\n")
     grid_thw = torch.tensor([list(g) for g in grids], dtype=torch.long) if grids else None
     return torch.tensor([ids], dtype=torch.long), pixels, grid_thw
@@ -138,7 +138,7 @@ def _generate(args) -> None:
     hf = Path(args.load) / "hf"
     tokenizer = load_tokenizer(args.tokenizer_model or (str(hf) if (hf / "tokenizer.json").exists() else None),
                                config)
-    processing = image_ops.ImageProcessing.for_directory(hf, config) if hasattr(image_ops, "ImageProcessing") else None
+    processing = image_ops.ImageProcessing.for_directory(hf, config)
     input_ids, pixels, grid = prompt_inputs(tokenizer, args.prompt, args.image, processing)
     stops = {tokenizer.special_ids["<|im_end|>"], tokenizer.special_ids["<|endoftext|>"]}
     new, logprobs = greedy(model, config, input_ids, pixels, grid, args.max_new_tokens, stops)
@@ -169,12 +169,14 @@ def main(argv=None) -> int:
     if problem:
         parser.fail(problem)
     from mm_adaptor.data import DataError, load_tokenizer
+    from mm_adaptor.data import images as image_ops
     from mm_adaptor.ranks.launcher import LaunchError, launch, under_launcher
 
     try:  # the prompt's problems (tokenizer, image) in one line before any rank starts
         config = _config(args)
         hf = Path(args.load) / "hf"
         load_tokenizer(args.tokenizer_model or (str(hf) if (hf / "tokenizer.json").exists() else None), config)
+        image_ops.ImageProcessing.for_directory(hf, config)
     except (DataError, ValueError) as exc:
         parser.fail(str(exc))
     ranks = args.tensor_model_parallel_size * args.expert_model_parallel_size

@@ -13,9 +13,13 @@ A batch (dict) for micro_batch_size b and seq_length s, padded on the right with
   GPTModel takes the labels unshifted and returns the loss per token [b, s], so pass labels and multiply by
   loss_mask); attention_mask [b, s] bool, True on real tokens (right padding: the model can run causal attention
   with attention_mask=None, pad tokens follow every real token and carry no loss); position_ids [3, b, s] long
-  (rope_index_for with the attention mask; pad positions are 1); pixel_values [sum of patches, 1176] float32 and
-  image_grid_thw [images, 3] long, both None when no sample of the batch has an image; num_tokens [b] long, the
-  real tokens per sample (for throughput); sample_index [b] long, the dataset index of each sample.
+  (the config's family's rope_index_for with the attention mask; pad positions are 1); pixel_values [sum of
+  patches, 3*2*P*P] float32 (1176 for Qwen2.5-VL's patch 14, 1536 for Qwen3-VL's 16) and image_grid_thw
+  [images, 3] long, both None when no sample of the batch has an image; num_tokens [b] long, the real tokens per
+  sample (for throughput); sample_index [b] long, the dataset index of each sample.
+
+Image preprocessing: `processing` (data.images.ImageProcessing; for a checkpoint ImageProcessing.for_directory)
+wherever it is taken; None is Qwen2.5-VL's. image_min_pixels/image_max_pixels, where given, replace its bounds.
 
 Sharding: the samples of iteration i are positions i*G .. i*G+G-1 of an endless stream, epoch e being a permutation
 of the good samples seeded by (seed, e); DP rank r takes the contiguous slice r*G/D .. (r+1)*G/D of each global
@@ -56,8 +60,10 @@ class Report:
         return f"{len(self.samples)} samples, {self.skipped} bad ones skipped"
 
 
-def encode(record: Record, grids, tokenizer) -> tuple[list[int], list[bool]]:
-    """(token ids, is-target flag per token) of one record, images expanded to their pad tokens."""
+def encode(record: Record, grids, tokenizer, processing=None) -> tuple[list[int], list[bool]]:
+    """(token ids, is-target flag per token) of one record, images expanded to their pad tokens (processing's
+    merge size; None: Qwen2.5-VL's)."""
+    processing = processing or image_ops.QWEN2_5_VL
     special = tokenizer.special_ids
     im_start, im_end = [special["<|im_start|>"]], [special["<|im_end|>"]]
     pieces = []  # (str or list of ids, target)
@@ -70,7 +76,7 @@ def encode(record: Record, grids, tokenizer) -> tuple[list[int], list[bool]]:
         pieces += [(im_start, False), (message["role"] + "\n", False)]
         for i, text in enumerate(message["content"].split(IMAGE_TAG)):
             if i:
-                pads = image_ops.image_tokens(next(grid_iter))
+                pads = processing.image_tokens(next(grid_iter))
                 vision = [special["<|vision_start|>"]] + [special["<|image_pad|>"]] * pads + [special["<|vision_end|>"]]
                 pieces.append((vision, target))
             pieces.append((text, target))
@@ -92,13 +98,13 @@ def encode(record: Record, grids, tokenizer) -> tuple[list[int], list[bool]]:
 
 def validate(data_path, tokenizer, seq_length: int, image_min_pixels: int | None = None,
              image_max_pixels: int | None = None, max_samples: int | None = None,
-             skip_bad_samples: bool = False) -> Report:
+             skip_bad_samples: bool = False, processing=None) -> Report:
     """Read every record, open every image (header and checksum, no decoding of pixels into tensors), count its
     tokens. Bad records: malformed JSON, missing keys, an image missing or unreadable, images != <image> tags,
     longer than seq_length. Without skip_bad_samples any bad record raises DataError naming them all."""
     from PIL import Image
 
-    image_min_pixels, image_max_pixels = _pixel_bounds(image_min_pixels, image_max_pixels)
+    processing = _processing(processing, image_min_pixels, image_max_pixels)
     records, bad = read_records(data_path, max_samples)
     samples = []
     for record in records:
@@ -113,7 +119,7 @@ def validate(data_path, tokenizer, seq_length: int, image_min_pixels: int | None
                 with Image.open(path) as image:
                     size = image.size
                     image.verify()
-                grids.append(image_ops.grid_for_size(*size, image_min_pixels, image_max_pixels))
+                grids.append(processing.grid_for_size(*size))
             except FileNotFoundError:
                 problem = f"image {path} does not exist"
             except Exception as exc:  # PIL raises many kinds for a broken file
@@ -123,7 +129,7 @@ def validate(data_path, tokenizer, seq_length: int, image_min_pixels: int | None
         if problem:
             bad.append((record.order, f"{where}: {problem}"))
             continue
-        length = len(encode(record, grids, tokenizer)[0])
+        length = len(encode(record, grids, tokenizer, processing)[0])
         if length > seq_length:
             bad.append((record.order, f"{where}: {length} tokens, longer than seq_length {seq_length}"))
             continue
@@ -136,15 +142,16 @@ def validate(data_path, tokenizer, seq_length: int, image_min_pixels: int | None
 
 
 
-def load_sample(sample: Sample, tokenizer, image_min_pixels, image_max_pixels):
-    """(ids, flags, pixel_values [patches, 1176] or None, grids) of one validated sample."""
+def load_sample(sample: Sample, tokenizer, image_min_pixels, image_max_pixels, processing=None):
+    """(ids, flags, pixel_values [patches, 3*2*P*P] or None, grids) of one validated sample."""
     from PIL import Image
 
-    ids, flags = encode(sample.record, sample.grids, tokenizer)
+    processing = _processing(processing, image_min_pixels, image_max_pixels)
+    ids, flags = encode(sample.record, sample.grids, tokenizer, processing)
     pixels = []
     for path, grid in zip(sample.record.images, sample.grids):
         with Image.open(path) as image:
-            values, got = image_ops.preprocess(image, image_min_pixels, image_max_pixels)
+            values, got = processing.preprocess(image)
         if tuple(got) != tuple(grid):
             raise DataError(f"{path}: changed since validation (grid {got}, was {grid})")
         pixels.append(torch.from_numpy(values))
@@ -153,7 +160,7 @@ def load_sample(sample: Sample, tokenizer, image_min_pixels, image_max_pixels):
 
 def collate(loaded, seq_length: int, pad_id: int, config, sample_index=None) -> dict:
     """The batch dict (see the module docstring) of load_sample results."""
-    from mm_adaptor.models.qwen2_5_vl import rope_index_for
+    from mm_adaptor.models import rope_index_for
 
     b = len(loaded)
     input_ids = torch.full((b, seq_length), pad_id, dtype=torch.long)
@@ -200,7 +207,7 @@ class BatchIterator:
     them make one iteration. `report` is the validation pass (report.skipped: bad samples skipped)."""
 
     def __init__(self, report, tokenizer, config, seq_length, micro_batch_size, global_batch_size, dp_rank,
-                 dp_size, start_iteration, image_min_pixels, image_max_pixels, seed):
+                 dp_size, start_iteration, image_min_pixels, image_max_pixels, seed, processing=None):
         if global_batch_size % (micro_batch_size * dp_size):
             raise DataError(f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size "
                             f"{micro_batch_size} x data-parallel size {dp_size}")
@@ -211,6 +218,7 @@ class BatchIterator:
         self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
         self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
         self.pixels = (image_min_pixels, image_max_pixels)
+        self.processing = processing
         self.seed, self.iteration, self._micro = seed, start_iteration, 0
         self.pad_id = tokenizer.special_ids["<|endoftext|>"]
 
@@ -225,7 +233,7 @@ class BatchIterator:
         self._micro += 1
         if self._micro == self.num_microbatches:
             self.iteration, self._micro = self.iteration + 1, 0
-        loaded = [load_sample(self.report.samples[i], self.tokenizer, *self.pixels) for i in chosen]
+        loaded = [load_sample(self.report.samples[i], self.tokenizer, *self.pixels, self.processing) for i in chosen]
         return collate(loaded, self.seq_length, self.pad_id, self.config, chosen)
 
 
@@ -233,26 +241,34 @@ def build(data_path, tokenizer, config, seq_length: int, micro_batch_size: int =
           dp_rank: int = 0, dp_size: int = 1, start_iteration: int = 0,
           image_min_pixels: int | None = None, image_max_pixels: int | None = None,
           skip_bad_samples: bool = False, max_samples: int | None = None, seed: int = 1234,
-          report: Report | None = None) -> BatchIterator:
+          report: Report | None = None, processing=None) -> BatchIterator:
     """Validate the data (DataError on bad records unless skip_bad_samples) and return this rank's BatchIterator.
-    config: the Qwen25VLConfig (its token ids must be the tokenizer's: check_model_matches)."""
+    config: the model's config (its token ids must be the tokenizer's: check_model_matches); processing: its
+    image preprocessing (None: Qwen2.5-VL's)."""
     from mm_adaptor.data.tokenizer import check_model_matches
 
     check_model_matches(tokenizer, config)
-    image_min_pixels, image_max_pixels = _pixel_bounds(image_min_pixels, image_max_pixels)
+    image_min_pixels, image_max_pixels = _pixel_bounds(image_min_pixels, image_max_pixels, processing)
     if report is None:  # else the launching process's validation pass of the same data and settings
         report = validate(data_path, tokenizer, seq_length, image_min_pixels, image_max_pixels, max_samples,
-                          skip_bad_samples)
+                          skip_bad_samples, processing)
     if not report.samples:
         raise DataError(f"no usable samples in {data_path} ({report.skipped} bad ones skipped)")
     return BatchIterator(report, tokenizer, config, seq_length, micro_batch_size, global_batch_size, dp_rank,
-                         dp_size, start_iteration, image_min_pixels, image_max_pixels, seed)
+                         dp_size, start_iteration, image_min_pixels, image_max_pixels, seed, processing)
 
 
-def _pixel_bounds(low, high):
-    # None: Qwen's defaults
-    low = image_ops.DEFAULT_MIN_PIXELS if low is None else int(low)
-    high = image_ops.DEFAULT_MAX_PIXELS if high is None else int(high)
+def _pixel_bounds(low, high, processing=None):
+    # None: the processing's bounds (Qwen2.5-VL's defaults without one)
+    processing = processing or image_ops.QWEN2_5_VL
+    low = processing.min_pixels if low is None else int(low)
+    high = processing.max_pixels if high is None else int(high)
     if not 0 < low <= high:
         raise DataError(f"image_min_pixels {low} and image_max_pixels {high}: want 0 < min <= max")
     return low, high
+
+
+def _processing(processing, low, high):
+    # the processing with the checked pixel bounds (given ones win)
+    processing = processing or image_ops.QWEN2_5_VL
+    return processing.with_pixels(*_pixel_bounds(low, high, processing))

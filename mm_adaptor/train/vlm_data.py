@@ -81,7 +81,7 @@ class DatasetBatches:
         self.batches = build(args.data_path, tokenizer(args, config), config, args.seq_length, args.micro_batch_size,
                              args.global_batch_size, dp_rank, args.data_parallel_size, start_iteration,
                              skip_bad_samples=args.skip_bad_samples, seed=args.seed,
-                             report=getattr(args, "validated_data", None))
+                             report=getattr(args, "validated_data", None), processing=processing(args, config))
 
     def __iter__(self):
         return self
@@ -106,6 +106,19 @@ def tokenizer_dir(args) -> str | None:
     return str(hf) if args.load and (hf / "tokenizer.json").exists() else None
 
 
+def processing(args, config):
+    """The family's image preprocessing: a converted --load's preprocessor_config.json (Qwen3-VL requires it), the
+    family's defaults for a tiny model."""
+    from pathlib import Path
+
+    from mm_adaptor.data.images import ImageProcessing
+
+    hf = Path(args.load or "") / "hf"
+    if args.load and (hf / "config.json").exists():
+        return ImageProcessing.for_directory(hf, config)
+    return ImageProcessing.for_model(config)
+
+
 def tokenizer(args, config):
     from mm_adaptor.data import load_tokenizer
 
@@ -122,10 +135,11 @@ def validate(args, config) -> list[str]:
     try:
         tok = tokenizer(args, config)
         check_model_matches(tok, config)
-        report = validate_data(args.data_path, tok, args.seq_length, skip_bad_samples=args.skip_bad_samples)
+        report = validate_data(args.data_path, tok, args.seq_length, skip_bad_samples=args.skip_bad_samples,
+                               processing=processing(args, config))
         if not report.samples:
             raise DataError(f"no usable samples ({report.skipped} bad ones skipped)")
-    except DataError as exc:
+    except (DataError, ValueError) as exc:
         return [f"--data-path {args.data_path}: {exc}"]
     args.validated_data = report
     return []
