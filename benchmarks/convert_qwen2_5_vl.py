@@ -24,7 +24,8 @@ VISION = {"depth": 32, "hidden_size": 1280, "hidden_act": "silu", "intermediate_
 CONFIG_3B = {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
              "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
              "num_attention_heads": 16, "num_key_value_heads": 2, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
-             "rope_theta": 1000000.0, "max_position_embeddings": 128000, "hidden_act": "silu",
+             "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+             "max_position_embeddings": 128000, "hidden_act": "silu",
              "torch_dtype": "bfloat16", "vision_config": VISION}
 
 MEASURE = """import resource, sys, time

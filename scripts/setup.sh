@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Set up a venv with mm_adaptor (editable) and its test and vlm extras (idempotent).
 #   bash scripts/setup.sh          .venv: python3 (3.10/3.11), the local CPU build of PyTorch, megatron-core 0.16.1
-#                                  (the newest release for Python < 3.12); the base the suite runs on.
+#                                  (the newest release for Python < 3.12), transformers 4.57.6 ($TRANSFORMERS_SPEC);
+#                                  the base the suite runs on.
 #   bash scripts/setup.sh latest   .venv-latest: a Python >= 3.12, the registry's torch, the newest megatron-core
 #                                  pyproject.toml allows ($MEGATRON_CORE_LATEST, default 0.19.2): 0.17+ ship for
-#                                  Python >= 3.12 only.
+#                                  Python >= 3.12 only; the newest transformers ($TRANSFORMERS_LATEST_SPEC, default
+#                                  transformers==5.24.0), so that the vlm extra's two majors (>=4.57,<6) both run.
 #   bash scripts/setup.sh npu-torch  .venv-npu-torch: python3 (3.10/3.11), the oldest torch the NPU backend claims
 #                                  ($NPU_TORCH_SPEC, default torch==2.6.0: torch_npu pairs with torch 2.5 to 2.9, and
 #                                  megatron-core 0.16 requires torch>=2.6), megatron-core 0.16.1; scripts/test.sh's
@@ -14,6 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 EXTRAS=${MM_ADAPTOR_EXTRAS:-test,vlm}
+TRANSFORMERS_SPEC=${TRANSFORMERS_SPEC:-transformers==4.57.6}  # the 4.x major (the 0.16.1 legs)
 
 # A Python >= 3.12: $PYTHON312, else python3.12/python3.13 on PATH, else one pyenv installed but did not activate.
 find_python312() {
@@ -26,6 +29,7 @@ find_python312() {
 if [ "${1:-}" = latest ]; then
   VENV=${MM_ADAPTOR_LATEST_VENV:-.venv-latest}
   MEGATRON_SPEC="megatron-core==${MEGATRON_CORE_LATEST:-0.19.2}"
+  TRANSFORMERS_SPEC=${TRANSFORMERS_LATEST_SPEC:-transformers==5.24.0}  # the 5.x major
   PYTHON=$(find_python312)
   if [ -z "$PYTHON" ]; then
     echo "setup.sh latest: no Python >= 3.12 found (megatron-core 0.17+ needs it; set PYTHON312)" >&2
@@ -49,5 +53,7 @@ created=no
 # npu-torch); a torch other than torch==X installs X over it
 torch_ok="import sys, torch; s = sys.argv[1]; sys.exit('==' in s and torch.__version__.split('+')[0] != s.split('==')[1])"
 "$VENV/bin/python" -c "$torch_ok" "$TORCH_SPEC" 2>/dev/null || "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
-"$VENV/bin/python" -m pip install -q "$MEGATRON_SPEC" -e ".[$EXTRAS]"
+# the vlm extra allows transformers 4.57 to 5.x: each leg pins the major it exercises
+case ",$EXTRAS," in *,vlm,*) PINNED=("$TRANSFORMERS_SPEC") ;; *) PINNED=() ;; esac
+"$VENV/bin/python" -m pip install -q "$MEGATRON_SPEC" ${PINNED[@]+"${PINNED[@]}"} -e ".[$EXTRAS]"
 [ "$created" = no ] || echo "set up $VENV ($("$VENV/bin/python" --version), $MEGATRON_SPEC) in $(( $(date +%s) - start )) s" >&2

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command; it sets up what it needs (idempotent). Both ends of the supported megatron-core range:
 #  1. the newest release (.venv-latest: Python >= 3.12, scripts/test_latest_megatron.sh): the whole suite;
-#  2. megatron-core 0.16.1 (.venv: Python 3.11, the local CPU torch): tests/unit and every feature's check against
-#     unpatched Megatron in one layout (tests/distributed/test_every_feature_on_installed_megatron.py);
+#  2. megatron-core 0.16.1 (.venv: Python 3.11, the local CPU torch, transformers 4.57): tests/unit, every feature's
+#     check against unpatched Megatron in one layout (tests/distributed/test_every_feature_on_installed_megatron.py)
+#     and the VLMs' logits against transformers 4.57;
 #  3. the NPU backend on the oldest torch it claims (.venv-npu-torch, `scripts/setup.sh npu-torch`: torch 2.6.0,
 #     megatron-core 0.16.1): the tests/npu files where torch's version changes what runs (NPU_TORCH_LEG).
 # Without a Python >= 3.12 the whole suite runs on 0.16.1 instead, with a line saying so (CI requires both legs).
@@ -15,7 +16,11 @@ for arg in "$@"; do
   case "$arg" in -m|-k|-m*|-k*) selected=yes ;; *) [ -e "${arg%%::*}" ] && selected=yes ;; esac
 done
 # + the NPU process-group test: torch_npu installs beside a CPU build of torch, which only this venv has
-BASE_LEG=(tests/unit tests/distributed/test_every_feature_on_installed_megatron.py tests/npu/test_npu_process_groups.py)
+# + transformers 4.57 (the newest leg runs 5.x): both VLM families' TP1 logits against it and the configs each
+#   major saves
+BASE_LEG=(tests/unit tests/distributed/test_every_feature_on_installed_megatron.py tests/npu/test_npu_process_groups.py
+          tests/models/test_qwen2_5_vl_logits.py tests/models/test_qwen3_vl_logits.py
+          tests/convert/test_config_spellings.py)
 # torch_npu pairs with torch 2.5 to 2.9 (megatron-core 0.16 needs 2.6), the other legs run 2.13: what depends on
 # torch's version under the NPU backend (collectives and the torch-function mode, the RNG and its generators, the
 # compile stance, the fake device's hooks and custom ops) runs again on 2.6 here, through the training runs' loss

@@ -8,10 +8,11 @@ import sys
 from mm_adaptor.core.one_line_parser import ArgumentParser, did_you_mean
 
 LAYOUT_NOTE = (
-    "A Megatron dist checkpoint holds whole tensors and megatron reshards it on load: TP and the pipeline splits "
-    "are the layout the conversion checks the model against (heads and key/value heads divisible by TP, TP at most "
-    "the key/value heads, splits that add up to the layer counts, the vision tower on the first stage) and records "
-    "in mm_adaptor_convert.json and the checkpoint's content metadata; the files are the same for any layout.")
+    "A Megatron dist checkpoint holds whole tensors and megatron reshards it on load: TP, EP and the pipeline "
+    "splits are the layout the conversion checks the model against (heads and key/value heads divisible by TP, TP "
+    "at most the key/value heads, experts divisible by EP, splits that add up to the layer counts, the vision tower "
+    "on the first stage) and records in mm_adaptor_convert.json and the checkpoint's content metadata; the files "
+    "are the same for any layout (each expert under its global number).")
 
 
 def _hf_to_mcore_parser() -> ArgumentParser:
@@ -21,6 +22,8 @@ def _hf_to_mcore_parser() -> ArgumentParser:
     parser.add_argument("mcore_dir", metavar="MCORE_DIR",
                         help="an empty or new directory; the driver's --load reads it")
     parser.add_argument("--tensor-model-parallel-size", "--tp", type=int, default=1, dest="tp")
+    parser.add_argument("--expert-model-parallel-size", "--ep", type=int, default=1, dest="ep",
+                        help="experts per MoE layer must divide by it (default 1)")
     parser.add_argument("--llm-pp-layers", default=None,
                         help="language layers per pipeline stage: [[12,16]] (MindSpeed-MM) or 12,16; "
                              "default all on one")
@@ -32,7 +35,8 @@ def _hf_to_mcore_parser() -> ArgumentParser:
 def _mcore_to_hf_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="mm-adaptor convert mcore-to-hf",
                             description="Megatron dist checkpoint -> Hugging Face directory that transformers loads "
-                                        "with from_pretrained (sharded safetensors + index, config, tokenizer files).")
+                                        "with from_pretrained (sharded safetensors + index, config, tokenizer files); "
+                                        "experts fused in the installed transformers' layout.")
     parser.add_argument("mcore_dir", metavar="MCORE_DIR", help="written by hf-to-mcore (or a training run's --save)")
     parser.add_argument("hf_dir", metavar="HF_DIR", help="an empty or new directory")
     parser.add_argument("--hf-config", default=None,
@@ -45,7 +49,8 @@ COMMANDS = {"hf-to-mcore": _hf_to_mcore_parser, "mcore-to-hf": _mcore_to_hf_pars
 
 
 def main(argv: list[str]) -> int:
-    top = ArgumentParser(prog="mm-adaptor convert", description="Convert checkpoints (Qwen2.5-VL). " + LAYOUT_NOTE,
+    top = ArgumentParser(prog="mm-adaptor convert",
+                         description="Convert checkpoints (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE). " + LAYOUT_NOTE,
                          help_hint="`mm-adaptor convert --help` lists the directions")
     top.add_argument("direction", choices=list(COMMANDS), help="hf-to-mcore or mcore-to-hf (each has --help)")
     if not argv or argv[0].startswith("-"):
@@ -66,7 +71,7 @@ def main(argv: list[str]) -> int:
 
             figures = convert(args.hf_dir, args.mcore_dir, args.tp,
                               parse_layers(args.llm_pp_layers, "--llm-pp-layers"),
-                              parse_layers(args.vit_pp_layers, "--vit-pp-layers"))
+                              parse_layers(args.vit_pp_layers, "--vit-pp-layers"), args.ep)
         else:
             from mm_adaptor.convert.mcore_to_hf import convert
 

@@ -21,3 +21,41 @@ def dims_for(config) -> dict:
     """The sizes the layout checks need (heads, key/value groups, layers per tower), from the family's module."""
     module, cfg = _module(config)
     return module.dims(cfg)
+
+
+# megatron's TransformerBlock saves each layer under a key of its own (`...layers.<n>.`) instead of one stack when its
+# layers differ (TransformerBlock.sharded_state_dict, 0.16 to 0.19): a MoE or linear-attention layer pattern given as
+# a list or a frequency above 1, heterogeneous block specs
+def _layers_saved_apart(transformer_config) -> bool:
+    def patterned(value) -> bool:
+        return isinstance(value, list) or (isinstance(value, int) and not isinstance(value, bool) and value > 1)
+
+    return bool(getattr(transformer_config, "hetereogenous_dist_checkpoint", False)
+                or getattr(transformer_config, "heterogeneous_block_specs", False)
+                or patterned(getattr(transformer_config, "moe_layer_freq", 1))
+                or patterned(getattr(transformer_config, "linear_attention_freq", None)))
+
+
+TOWERS = {"language_model.decoder.layers.": "language_transformer_config",
+          "vision_model.decoder.layers.": "vision_transformer_config"}
+
+
+def checkpoint_family(config):
+    """family_for(config), checked against the family's own model and told how megatron keys its checkpoint:
+
+    - the family's config reader (what the driver and `mm-adaptor generate` build the model from) must take the
+      config: its ValueError (or KeyError) refuses the conversion before anything is written;
+    - Family.per_layer_keys, where the mapping leaves it empty, from megatron's own rule on each tower's
+      TransformerConfig (see _layers_saved_apart)."""
+    cfg = config_dict(config)
+    spec = registry.spec_for_hf_config(cfg)
+    family = spec.mapping_module().family(cfg)
+    if spec.package is None:
+        return family
+    model_config = spec.config_from_hf(cfg)
+    if not family.per_layer_keys:
+        package = spec.package_module()
+        family.per_layer_keys = tuple(
+            prefix for prefix, builder in TOWERS.items()
+            if hasattr(package, builder) and _layers_saved_apart(getattr(package, builder)(model_config)))
+    return family

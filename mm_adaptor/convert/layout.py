@@ -1,10 +1,10 @@
-"""The parallel layout a checkpoint is prepared and validated for: TP, and per pipeline stage the number of
+"""The parallel layout a checkpoint is prepared and validated for: TP, EP, and per pipeline stage the number of
 language and vision layers (MindSpeed-MM's `[[12,16]]`, one inner list per virtual chunk, or a plain `12,16`).
 
-A dist checkpoint stores whole tensors (each layer a chunk of its stack) and megatron reshards it on load, so the
-layout is what the conversion checked the model against (heads divisible by TP, layer splits that add up, the
-vision tower on the first stage) and what it records; the same files load under another layout that megatron
-accepts."""
+A dist checkpoint stores whole tensors (each layer a chunk of its stack, each expert a chunk under its global
+number) and megatron reshards it on load, so the layout is what the conversion checked the model against (heads
+divisible by TP, experts by EP, layer splits that add up, the vision tower on the first stage) and what it records;
+the same files load under another layout that megatron accepts."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ class Layout:
     tp: int
     llm_pp_layers: list[list[int]]
     vit_pp_layers: list[list[int]]
+    ep: int = 1
 
     @property
     def pp(self) -> int:
@@ -47,10 +48,18 @@ class Layout:
         return {**asdict(self), "pp": self.pp}
 
 
-def validate(dims: dict, tp: int, llm: list[list[int]] | None, vit: list[list[int]] | None) -> Layout:
-    """Refuses (ConvertError, one line) a layout the model cannot take; `dims` as mapping.dims gives them."""
+def validate(dims: dict, tp: int, llm: list[list[int]] | None, vit: list[list[int]] | None, ep: int = 1,
+             experts: int = 0) -> Layout:
+    """Refuses (ConvertError, one line) a layout the model cannot take; `dims` as mapping.dims gives them, `experts`
+    the experts per MoE layer (0: a dense model)."""
     if tp < 1:
         raise ConvertError(f"--tensor-model-parallel-size {tp}: must be at least 1")
+    if ep < 1:
+        raise ConvertError(f"--expert-model-parallel-size {ep}: must be at least 1")
+    if ep > 1 and not experts:
+        raise ConvertError(f"--expert-model-parallel-size {ep}: the model has no experts")
+    if experts % ep:
+        raise ConvertError(f"--expert-model-parallel-size {ep} does not divide the model's {experts} experts")
     for tower in ("llm", "vit"):
         heads, groups = dims[f"{tower}_heads"], dims[f"{tower}_groups"]
         if tp > groups:
@@ -71,4 +80,4 @@ def validate(dims: dict, tp: int, llm: list[list[int]] | None, vit: list[list[in
     if any(n for c, chunk in enumerate(vit) for s, n in enumerate(chunk) if (c, s) != (0, 0)):
         raise ConvertError(f"--vit-pp-layers {json.dumps(vit)} puts vision layers on a stage other than the first "
                            "(the vision tower runs on the first stage)")
-    return Layout(tp, llm, vit)
+    return Layout(tp, llm, vit, ep)

@@ -57,56 +57,60 @@ def _stop_megatrons_write_results_server() -> None:
         filesystem_async._results_queue = None
 
 
-def sharded_tensor(key: str, tensor, layer: int | None, layers: int | None):
-    """The ShardedTensor megatron's modules make for this tensor: a stack's layer as a slice of a leading axis."""
+def sharded_tensor(key: str, tensor, offsets: tuple = (), totals: tuple = ()):
+    """The ShardedTensor megatron's modules make for this tensor: the chunk at `offsets` of leading axes of sizes
+    `totals` (a stack's layer axis, then an expert axis), or the whole key."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    if layer is None:
-        return ShardedTensor.from_rank_offsets(key, tensor, replica_id=0)
-    return ShardedTensor.from_rank_offsets(key, tensor, (0, layer, layers), replica_id=0, prepend_axis_num=1)
+    axes = [(axis, offset, total) for axis, (offset, total) in enumerate(zip(offsets, totals))]
+    return ShardedTensor.from_rank_offsets(key, tensor, *axes, replica_id=0, prepend_axis_num=len(axes))
 
 
-def sharded_object(key: str, layer: int | None, layers: int | None):
+def sharded_object(key: str, offsets: tuple = (), totals: tuple = ()):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    if layer is None:
+    if not totals:
         return ShardedObject(key, None, (1,), (0,), replica_id=0)
-    return ShardedObject(key, None, (layers,), (layer,), replica_id=0)
+    return ShardedObject(key, None, tuple(totals), tuple(offsets), replica_id=0)
 
 
 class PieceWriter:
     """Saves groups of tensors as pieces under `staging`, then `finish` joins them into `final`.
 
     Megatron's save wants every chunk of a key on some rank, so a piece holding layers 3 and 7 of a stack saves
-    them as a stack of its own ([2, ...]); `finish` moves those chunks to offsets 3 and 7 of the full stack."""
+    them as a stack of its own ([2, ...]); `finish` moves those chunks to offsets 3 and 7 of the full stack. A key
+    with a layer and an expert axis goes the same way: the piece's (layer, expert) chunks along its first axis (the
+    second of size 1), moved to their (layer, expert) offsets."""
 
     def __init__(self, staging: Path):
         self.staging = Path(staging)
         self.pieces: list[tuple[Path, dict]] = []
 
     def save(self, tensors: list, objects: list = (), content_metadata: dict | None = None) -> None:
-        """tensors: (key, tensor, layer or None, stack size or None); objects: (key, layer, stack size). The first
-        piece's common state (content_metadata included) is the checkpoint's."""
+        """tensors: (key, tensor, offsets, totals) as Family.placement gives them; objects: (key, offsets, totals).
+        The first piece's common state (content_metadata included) is the checkpoint's."""
         from megatron.core import dist_checkpointing
 
-        stacks: dict[str, list[int]] = {}
-        for key, _, layer, _ in tensors:
-            if layer is not None:
-                stacks.setdefault(key, []).append(layer)
-        sharded, positions = {}, {}
-        for n, (key, tensor, layer, _layers) in enumerate(tensors):
-            if layer is None:
-                sharded[f"t{n}"] = sharded_tensor(key, tensor, None, None)
+        stacks: dict[str, list[tuple[int, ...]]] = {}
+        position: dict[tuple, int] = {}
+        for key, _, offsets, _ in tensors:
+            if offsets:
+                position[key, tuple(offsets)] = len(stacks.setdefault(key, []))
+                stacks[key].append(tuple(offsets))
+        sharded = {}
+        for n, (key, tensor, offsets, _) in enumerate(tensors):
+            if not offsets:
+                sharded[f"t{n}"] = sharded_tensor(key, tensor)
             else:
-                pos = positions[key] = positions.get(key, -1) + 1
-                sharded[f"t{n}"] = sharded_tensor(key, tensor, pos, len(stacks[key]))
-        for n, (key, layer, layers) in enumerate(objects):
-            sharded[f"o{n}"] = sharded_object(key, layer, layers)
-        totals = {key: layers for key, _, layer, layers in tensors if layer is not None}
+                local = (position[key, tuple(offsets)], *[0] * (len(offsets) - 1))
+                sharded[f"t{n}"] = sharded_tensor(key, tensor, local, (len(stacks[key]), *[1] * (len(offsets) - 1)))
+        for n, (key, offsets, totals) in enumerate(objects):
+            sharded[f"o{n}"] = sharded_object(key, offsets, totals)
+        totals = {key: tuple(sizes) for key, _, offsets, sizes in tensors if offsets}
         piece = self.staging / f"piece_{len(self.pieces):05d}"
         piece.mkdir(parents=True)
         dist_checkpointing.save({"model": sharded, "iteration": 0}, str(piece), content_metadata=content_metadata)
-        self.pieces.append((piece, {key: (layers, totals[key]) for key, layers in stacks.items()}))
+        self.pieces.append((piece, {key: (indices, totals[key]) for key, indices in stacks.items()}))
 
     def finish(self, final: Path) -> None:
         from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -126,9 +130,9 @@ class PieceWriter:
                 elif name not in (".metadata", "metadata.json", "common.pt") or k == 0:
                     os.replace(source, final / name)  # sharded objects' folders; piece 0's common state
 
-            for key, (_, total) in stacks.items():
+            for key, (_, totals) in stacks.items():
                 storage = meta.state_dict_metadata[key]
-                storage.size = type(storage.size)((total, *storage.size[1:]))
+                storage.size = type(storage.size)((*totals, *storage.size[len(totals):]))
                 for chunk in storage.chunks:
                     chunk.offsets = type(chunk.offsets)(_moved(stacks, key, chunk.offsets))
             storage_data = {}
@@ -161,9 +165,9 @@ class PieceWriter:
 
 
 class Reader:
-    """Reads one layer of a key (or a whole non-stack key) of a torch_dist checkpoint straight from its chunks, so
-    memory holds one tensor at a time (megatron's load on one rank wants whole keys). Chunks of any layout
-    (this converter's, or a training run's TP/PP slices) are joined."""
+    """Reads one layer (or one expert of a layer) of a key, or a whole plain key, of a torch_dist checkpoint straight
+    from its chunks, so memory holds one tensor at a time (megatron's load on one rank wants whole keys). Chunks of
+    any layout (this converter's, or a training run's TP/PP/EP slices) are joined."""
 
     def __init__(self, checkpoint: Path):
         from torch.distributed.checkpoint import FileSystemReader
@@ -176,18 +180,22 @@ class Reader:
         return {key: (tuple(storage.size), storage.properties.dtype)
                 for key, storage in self.meta.state_dict_metadata.items() if hasattr(storage, "chunks")}
 
-    def read(self, key: str, layer: int | None = None):
+    def read(self, key: str, index=()):
+        """The tensor at `index` of the key's leading axes (a layer number, or (layer, expert), or () / None for
+        the whole key)."""
         import io
 
         import torch
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
+        index = () if index is None else (index,) if isinstance(index, int) else tuple(index)
+        lead = len(index)
         storage = self.meta.state_dict_metadata[key]
-        shape = tuple(storage.size) if layer is None else tuple(storage.size)[1:]
+        shape = tuple(storage.size)[lead:]
         out = None
         for chunk in storage.chunks:
             offsets, sizes = list(chunk.offsets), list(chunk.sizes)
-            if layer is not None and not offsets[0] <= layer < offsets[0] + sizes[0]:
+            if not all(o <= i < o + n for i, o, n in zip(index, offsets, sizes)):
                 continue
             info = self.meta.storage_data[MetadataIndex(key, chunk.offsets)]
             if info.transform_descriptors:
@@ -195,8 +203,9 @@ class Reader:
             with open(self.path / info.relative_path, "rb") as f:
                 f.seek(info.offset)
                 data = torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
-            if layer is not None:
-                data, offsets = data[layer - offsets[0]], offsets[1:]
+            for i, o in zip(index, offsets):
+                data = data[i - o]
+            offsets = offsets[lead:]
             if tuple(data.shape) == shape and data.dtype == storage.properties.dtype:
                 return data.contiguous()  # one chunk holds it all (as this converter writes): no second copy
             if out is None:
@@ -206,10 +215,14 @@ class Reader:
                 target = target.narrow(dim, start, size)
             target.copy_(data)
         if out is None:
-            raise ValueError(f"{key}: no chunk holds layer {layer}")
+            raise ValueError(f"{key}: no chunk holds {index}")
         return out
 
 
 def _moved(stacks, fqn, offsets):
-    """A piece's offsets in the joined checkpoint: a stacked tensor's layer index becomes its global one."""
-    return offsets if fqn not in stacks else (stacks[fqn][0][offsets[0]], *offsets[1:])
+    """A piece's offsets in the joined checkpoint: a stacked tensor's local position becomes its global (layer,
+    expert) offsets."""
+    if fqn not in stacks:
+        return offsets
+    indices, totals = stacks[fqn]
+    return (*indices[offsets[0]], *offsets[len(totals):])

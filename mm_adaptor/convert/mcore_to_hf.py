@@ -1,18 +1,18 @@
 """Megatron dist checkpoint -> HF directory (sharded safetensors + index, config, tokenizer/processor files),
-reading one output shard's tensors at a time."""
+reading one output shard's tensors at a time. Experts are written in the form the installed transformers loads:
+fused per layer, (E, H, 2I) / (E, I, H) for 4.x and transposed for 5.x, where its model class fuses them."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
 
-from mm_adaptor.convert import ConvertError, family_for
+from mm_adaptor.convert import ConvertError, fuse, installed_transformers_version
 from mm_adaptor.convert.hf_to_mcore import INDEX, copy_side_files, progress, read_config, require_empty
 from mm_adaptor.convert.mcore_io import ITER_DIR, MARKER, Reader
-
-PREFIXES = ("vision_model.", "vision_projection.", "language_model.")
 
 
 def checkpoint_path(mcore_dir: Path) -> Path:
@@ -29,36 +29,59 @@ def checkpoint_path(mcore_dir: Path) -> Path:
 
 
 def plan(mcore_dir: Path, hf_config: Path | None):
-    """Every check before anything is written. Returns (family, reader, units in HF order with their bytes)."""
+    """Every check before anything is written. Returns (family, reader, units in HF order, the transformers major
+    whose fused experts layout to write or None); a unit is (first HF name, [(rule, layer)], bytes, fused name or
+    None): one tensor, or all experts of a layer that one fused tensor holds."""
+    from mm_adaptor.convert.families import checkpoint_family
+
     config_path = hf_config or mcore_dir / "hf" / "config.json"
     try:
-        family = family_for(read_config(config_path))
+        family = checkpoint_family(read_config(config_path))
     except (KeyError, ValueError) as error:
         raise ConvertError(f"{config_path}: {error}") from None
     reader = Reader(checkpoint_path(mcore_dir))
     stored = reader.tensors()
+    expected = family.checkpoint_keys()
     # a training checkpoint may have optimizer state beside the model; only the model's keys must be known
-    model_keys = {key for key in stored if key.startswith(PREFIXES)}
-    known = {rule.sharded_key(): rule for rule in family.rules}
-    unknown = sorted(model_keys - set(known))
+    prefixes = tuple({key.split(".")[0] + "." for key in expected})
+    model_keys = {key for key in stored if key.startswith(prefixes)}
+    unknown = sorted(model_keys - set(expected))
     if unknown:
         raise ConvertError(f"unknown key {unknown[0]} in the checkpoint: the {family.name} mapping has no rule for it")
-    missing = sorted(set(known) - model_keys)
+    missing = sorted(set(expected) - model_keys)
     if missing:
         raise ConvertError(f"missing key {missing[0]}: the checkpoint has no such tensor")
-    units = []
+    index = family.fused_index() if family.fused_experts else {}
+    installed = installed_transformers_version()
+    major = int(installed.split(".")[0]) if index and installed else None
+    if index and major is None:
+        raise ConvertError("transformers is not installed: the layout to write the fused experts in is unknown")
+    held_by = {name: fused for fused, (_, held) in index.items() for name in held}
+    units, fused_units = [], {}
     for rule in family.rules:
-        shape, dtype = stored[rule.sharded_key()]
-        if rule.stack and shape[0] != family.stacks[rule.stack]:
-            raise ConvertError(f"{rule.sharded_key()}: {shape[0]} layers stored, the config says "
-                               f"{family.stacks[rule.stack]}")
-        numel = 1
-        for n in shape[1:] if rule.stack else shape:
-            numel *= n
         for layer in family.layers(rule):
-            units.append((rule, layer, numel * dtype.itemsize))
-    units.sort(key=lambda unit: _hf_order(unit[0].hf_names(unit[1])[0]))
-    return family, reader, units
+            key, _, totals = family.placement(rule, layer)
+            shape, dtype = stored[key]
+            axes = ["layers"] * (len(totals) - (rule.expert is not None)) + ["experts"] * (rule.expert is not None)
+            for axis, (what, total) in enumerate(zip(axes, totals)):
+                if shape[axis] != total:
+                    raise ConvertError(f"{key}: {shape[axis]} {what} stored, the config says {total}")
+            nbytes = math.prod(shape[len(totals):]) * dtype.itemsize
+            names = rule.hf_names(layer)
+            fused = {held_by.get(name) for name in names}
+            if len(fused) > 1:
+                raise ConvertError(f"{rule.mcore_name(layer)}: its HF tensors {names} go to different fused tensors")
+            fused = fused.pop()
+            if fused is None:
+                units.append((names[0], [(rule, layer)], nbytes, None))
+                continue
+            if fused not in fused_units:
+                fused_units[fused] = len(units)
+                units.append((fused, [], 0, fused))
+            name, reads, size, _ = units[fused_units[fused]]
+            units[fused_units[fused]] = (name, reads + [(rule, layer)], size + nbytes, fused)
+    units.sort(key=lambda unit: _hf_order(unit[0]))
+    return family, reader, units, major
 
 
 def _hf_order(name: str):
@@ -72,15 +95,15 @@ def convert(mcore_dir, hf_dir, hf_config=None, max_shard_bytes: int = 5 * 10**9)
     """Refuses before writing (ConvertError); returns figures (seconds, tensors, bytes, shards)."""
     mcore_dir, hf_dir = Path(mcore_dir), Path(hf_dir)
     require_empty(hf_dir)
-    family, reader, units = plan(mcore_dir, Path(hf_config) if hf_config else None)
+    family, reader, units, major = plan(mcore_dir, Path(hf_config) if hf_config else None)
     try:
-        return _write(family, reader, units, mcore_dir, hf_dir, hf_config, max_shard_bytes)
+        return _write(family, reader, units, major, mcore_dir, hf_dir, hf_config, max_shard_bytes)
     except BaseException:
         shutil.rmtree(hf_dir, ignore_errors=True)  # it was empty or absent: leave no half-written directory
         raise
 
 
-def _write(family, reader, units, mcore_dir: Path, hf_dir: Path, hf_config, max_shard_bytes: int) -> dict:
+def _write(family, reader, units, major, mcore_dir: Path, hf_dir: Path, hf_config, max_shard_bytes: int) -> dict:
     from safetensors.torch import save_file
 
     from mm_adaptor.convert.rules import to_hf
@@ -92,13 +115,18 @@ def _write(family, reader, units, mcore_dir: Path, hf_dir: Path, hf_config, max_
             size = 0
         shards[-1].append(unit)
         size += unit[2]
-    start, weight_map, total = time.time(), {}, 0
+    start, weight_map, total, fused_written = time.time(), {}, 0, False
     hf_dir.mkdir(parents=True, exist_ok=True)
     for k, shard in enumerate(shards, 1):
         name = "model.safetensors" if len(shards) == 1 else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
-        for rule, layer, nbytes in shard:
-            tensors.update(zip(rule.hf_names(layer), to_hf(rule, reader.read(rule.sharded_key(), layer))))
+        for _, reads, nbytes, fused in shard:
+            produced = {}
+            for rule, layer in reads:
+                key, offsets, _ = family.placement(rule, layer)
+                produced.update(zip(rule.hf_names(layer), to_hf(rule, reader.read(key, offsets))))
+            tensors.update(fuse(family, produced, major, [fused]) if fused else produced)
+            fused_written |= fused is not None
             total += nbytes
         save_file(tensors, str(hf_dir / name), metadata={"format": "pt"})
         weight_map.update({tensor_name: name for tensor_name in tensors})
@@ -112,4 +140,37 @@ def _write(family, reader, units, mcore_dir: Path, hf_dir: Path, hf_config, max_
         copy_side_files(mcore_dir / "hf", hf_dir)
     if hf_config:
         (hf_dir / "config.json").write_text(Path(hf_config).read_text())
+    _for_installed(hf_dir / "config.json", major if fused_written else None)
     return {"seconds": time.time() - start, "tensors": len(weight_map), "bytes": total, "shards": len(shards)}
+
+
+def _for_installed(config_path: Path, fused_major: int | None) -> None:
+    """The config as the installed transformers reads it:
+    - fused experts went out in its layout: where the config says another major version saved it, it now names
+      the installed one, so that a reader of the directory (this converter included) takes them as they are;
+    - a config saved by 5.x under an installed 4.x: the spellings 4.x reads (rope_theta beside rope_scaling instead
+      of rope_parameters, num_experts instead of num_local_experts, the tied flag in text_config, where 4.x looks,
+      set to the top-level one 5.x decided by), else 4.x falls back to its defaults."""
+    from mm_adaptor.models.hf_config import saved_by
+
+    version = installed_transformers_version()
+    if not config_path.exists() or version is None:
+        return
+    config = json.loads(config_path.read_text())
+    saved, installed = saved_by(config), int(version.split(".")[0])
+    if (saved or 0) >= 5 > installed:
+        if isinstance(config.get("text_config"), dict) and "tie_word_embeddings" in config:
+            config["text_config"]["tie_word_embeddings"] = config["tie_word_embeddings"]
+        for section in (config, config.get("text_config")):
+            if not isinstance(section, dict):
+                continue
+            if "num_local_experts" in section:
+                section.setdefault("num_experts", section.pop("num_local_experts"))
+            if isinstance(section.get("rope_parameters"), dict) and not section.get("rope_scaling"):
+                scaling = dict(section.pop("rope_parameters"))
+                section["rope_theta"] = scaling.pop("rope_theta", section.get("rope_theta"))
+                section["rope_scaling"] = scaling
+    elif fused_major is None or saved == fused_major:
+        return
+    config["transformers_version"] = version
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

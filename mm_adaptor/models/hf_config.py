@@ -5,6 +5,7 @@
 - Rotary settings: 4.x writes `rope_theta` beside a `rope_scaling` dict (`type`/`rope_type`, `mrope_section`,
   `mrope_interleaved`); 5.x writes one `rope_parameters` dict holding `rope_theta` and the rest. Either may sit at
   the top level or in `text_config`.
+- Tied embeddings: 4.x reads text_config's flag, 5.x the top-level one (see `tied`); `saved_by` says which wrote it.
 """
 
 from __future__ import annotations
@@ -25,12 +26,22 @@ def vision_config(config) -> dict:
     return dict(config_dict(config).get("vision_config") or {})
 
 
+def saved_by(config) -> int | None:
+    """The major version of the transformers that wrote the config (its `transformers_version`), None if unsaid."""
+    major = str(config_dict(config).get("transformers_version") or "").split(".")[0]
+    return int(major) if major.isdigit() else None
+
+
 def tied(config) -> bool:
-    """Whether lm_head shares the embedding, as transformers decides it: text_config's flag where the config has
-    one (a top-level flag beside it is ignored), else the top-level flag; False when absent."""
+    """Whether lm_head shares the embedding, as the transformers that saved the config decides it: 5.x by the
+    top-level flag (which it writes, having folded an older text_config flag into it), 4.x by text_config's flag
+    where the config has one (a top-level flag beside it is ignored), else the top-level flag; False when absent."""
     cfg = config_dict(config)
-    if isinstance(cfg.get("text_config"), dict):
-        return bool(cfg["text_config"].get("tie_word_embeddings", False))
+    if (saved_by(cfg) or 0) >= 5 and "tie_word_embeddings" in cfg:
+        return bool(cfg["tie_word_embeddings"])
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and "tie_word_embeddings" in text:
+        return bool(text["tie_word_embeddings"])
     return bool(cfg.get("tie_word_embeddings", False))
 
 

@@ -128,8 +128,8 @@ class VisionLanguage(Gpt):
         args.position_embedding_type, args.untie_embeddings_and_output_weights = "rope", not c.tie_word_embeddings
         args.norm_epsilon = c.norm_epsilon
         if experts:
-            args.num_experts, args.moe_router_topk = experts, c.moe_router_topk
-            args.moe_ffn_hidden_size = c.moe_ffn_hidden_size
+            args.num_experts, args.moe_router_topk = experts, c.num_experts_per_tok
+            args.moe_ffn_hidden_size = c.moe_intermediate_size
         return []
 
     def problems(self, args) -> list[str]:

@@ -24,6 +24,7 @@ def hub_config(values: dict) -> dict:
     values.pop("tp")
     return {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
             "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 128000,
+            "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
             "hidden_act": "silu", "torch_dtype": "bfloat16", **values,
             "vision_config": {**VISION, "out_hidden_size": values.pop("out_hidden_size")}}
 

@@ -149,3 +149,21 @@ def test_a_conversion_leaves_no_process_behind(tmp_path):
     left = [p for p in psutil.Process().children(recursive=True)
             if not is_process_helper(p) and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, [" ".join(p.cmdline())[:100] for p in left]
+
+
+@pytest.mark.parametrize("rope_key", ["rope_scaling", "rope_parameters"])
+def test_a_config_the_model_refuses_is_refused_here(tmp_path, capsys, rope_key):
+    """What the driver and `mm-adaptor generate` would refuse (here rotary settings without mrope_section, in
+    either transformers' spelling) is refused at conversion, in one line, instead of a traceback later."""
+    from tiny import tiny_config
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = json.loads(tiny_config().to_json_string())
+    text = config["text_config"]
+    for key in ("rope_scaling", "rope_parameters"):
+        text.pop(key, None)
+    text[rope_key] = {"rope_type": "default", "rope_theta": 10000.0}
+    (hf / "config.json").write_text(json.dumps(config))
+    line = refuse(["hf-to-mcore", str(hf), str(tmp_path / "out")], capsys, tmp_path / "out")
+    assert line.endswith(f"config.json: the HF config has no {rope_key}.mrope_section; Qwen2.5-VL needs it")

@@ -25,6 +25,35 @@ def hf_model(config: Qwen25VLConfig, seed: int = 0):
     return model
 
 
+def hf_takes_token_types() -> bool:
+    """transformers 5.x builds the 3-D positions from `mm_token_type_ids` (its processor's output: 1 image pad, 2
+    video pad, 0 text); called without them, its forward and generate fall back to 1-D positions."""
+    import inspect
+
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    return "mm_token_type_ids" in inspect.signature(Qwen2_5_VLModel.forward).parameters
+
+
+def token_types(config: Qwen25VLConfig, input_ids: torch.Tensor) -> torch.Tensor:
+    return ((input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int())
+
+
+def hf_inputs(config: Qwen25VLConfig, input_ids: torch.Tensor, **inputs) -> dict:
+    """Keyword arguments of the transformers model's forward/generate: input_ids and `inputs`, with the token types
+    where the installed transformers needs them (5.x)."""
+    if hf_takes_token_types():
+        inputs["mm_token_type_ids"] = token_types(config, input_ids)
+    return {"input_ids": input_ids, **inputs}
+
+
+def hf_image_features(model, pixels, grid) -> torch.Tensor:
+    """The merged vision embeddings of all images: 4.x's get_image_features returns them per image, 5.x an output
+    object holding them (pooler_output)."""
+    features = model.model.get_image_features(pixels, grid)
+    return torch.cat(list(getattr(features, "pooler_output", features)))
+
+
 def images(sizes=IMAGE_SIZES, seed: int = 1):
     from PIL import Image
     from transformers import Qwen2VLImageProcessor

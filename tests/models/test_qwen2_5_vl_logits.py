@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_reference import hf_model, images, load_hf_weights, prompt  # noqa: E402
+from hf_reference import hf_image_features, hf_inputs, hf_model, images, load_hf_weights, prompt  # noqa: E402
 
 from mm_adaptor.models.qwen2_5_vl import model_provider, rope_index_for, tiny_config  # noqa: E402
 
@@ -45,7 +45,7 @@ def reference():
     with torch.no_grad():
         for name, (ids, pixels, grid) in prompts().items():
             positions, _ = rope_index_for(CONFIG, ids, grid)
-            logits = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid).logits
+            logits = model(**hf_inputs(CONFIG, ids, pixel_values=pixels, image_grid_thw=grid)).logits
             cases[name] = (ids, pixels, grid, positions, logits)
     return model, cases
 
@@ -93,9 +93,9 @@ def test_video_and_image_logits_equal_transformers(reference, ours_fp32):
     ids = torch.cat([ids, torch.tensor([video])], dim=1)
     positions, _ = rope_index_for(CONFIG, ids, image_grid, video_grid, seconds)
     with torch.no_grad():
-        expected = reference[0](input_ids=ids, pixel_values=image_pixels, image_grid_thw=image_grid,
-                                pixel_values_videos=video_pixels, video_grid_thw=video_grid,
-                                second_per_grid_ts=seconds).logits
+        expected = reference[0](**hf_inputs(CONFIG, ids, pixel_values=image_pixels, image_grid_thw=image_grid,
+                                            pixel_values_videos=video_pixels, video_grid_thw=video_grid,
+                                            second_per_grid_ts=seconds)).logits
         logits = ours_fp32(ids, positions, pixel_values=image_pixels, image_grid_thw=image_grid,
                            pixel_values_videos=video_pixels, video_grid_thw=video_grid)
     assert relative_error(logits, expected) < FP32_TOLERANCE
@@ -104,7 +104,7 @@ def test_video_and_image_logits_equal_transformers(reference, ours_fp32):
 def test_vision_embeddings_equal_transformers(reference, ours_fp32):
     ids, pixels, grid, _, _ = reference[1]["two_images"]
     with torch.no_grad():
-        expected = torch.cat(reference[0].model.get_image_features(pixels, grid))
+        expected = hf_image_features(reference[0], pixels, grid)
         ours = ours_fp32.vision_embeddings(pixels, grid)
     assert ours.shape == expected.shape == (int(grid.prod(-1).sum()) // 4, CONFIG.hidden_size)
     assert relative_error(ours, expected) < FP32_TOLERANCE
@@ -137,7 +137,7 @@ def test_bf16_logits_near_transformers(reference, megatron_rank, name):
     ids, pixels, grid, positions, expected = reference[1][name]
     with torch.no_grad():
         logits = ours(ids, positions, pixel_values=pixels, image_grid_thw=grid)
-        hf_logits = hf_bf16(input_ids=ids, pixel_values=pixels, image_grid_thw=grid).logits
+        hf_logits = hf_bf16(**hf_inputs(CONFIG, ids, pixel_values=pixels, image_grid_thw=grid)).logits
     assert model.language_model.output_layer.weight.dtype == torch.bfloat16
     assert model.vision_projection.layernorm.weight.dtype == torch.bfloat16
     error, hf_error = relative_error(logits, expected), relative_error(hf_logits, expected)
@@ -185,7 +185,7 @@ def test_loss_and_gradients_equal_transformers(reference, megatron_rank, monkeyp
     ours = build(reference[0], dataclasses.replace(CONFIG, extra=extra)).train()
     theirs = hf_model(CONFIG)
     ids, pixels, grid, positions, _ = reference[1]["two_images"]
-    hf_loss = theirs(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, labels=ids).loss
+    hf_loss = theirs(**hf_inputs(CONFIG, ids, pixel_values=pixels, image_grid_thw=grid, labels=ids)).loss
     hf_loss.backward()
     labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
     per_token = ours(ids, positions, labels=labels, pixel_values=pixels, image_grid_thw=grid)

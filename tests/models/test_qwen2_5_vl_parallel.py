@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_reference import hf_model, load_hf_weights  # noqa: E402
+from hf_reference import hf_inputs, hf_model, load_hf_weights  # noqa: E402
 from test_qwen2_5_vl_logits import BF16_TOLERANCE, CONFIG, FP32_TOLERANCE, prompts, relative_error  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -121,10 +121,11 @@ def runs(tmp_path_factory):
         for name, (ids, pixels, grid) in prompts().items():
             positions, _ = rope_index_for(CONFIG, ids, grid)
             cases[name] = (ids, positions, pixels, grid)
-            expected[name] = reference(input_ids=ids, pixel_values=pixels, image_grid_thw=grid).logits
-            expected[name, "hf_bf16"] = reference_bf16(input_ids=ids, pixel_values=pixels, image_grid_thw=grid).logits
+            inputs = hf_inputs(CONFIG, ids, pixel_values=pixels, image_grid_thw=grid)
+            expected[name] = reference(**inputs).logits
+            expected[name, "hf_bf16"] = reference_bf16(**inputs).logits
     ids, _, pixels, grid = cases["two_images"]
-    expected["loss"] = reference(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, labels=ids).loss
+    expected["loss"] = reference(**hf_inputs(CONFIG, ids, pixel_values=pixels, image_grid_thw=grid, labels=ids)).loss
     expected["loss"].backward()
     expected["patch_grad"] = reference.model.visual.patch_embed.proj.weight.grad.flatten(1)
     expected["output_grad"] = reference.lm_head.weight.grad

@@ -21,6 +21,7 @@ def _cli(*argv):
 
 
 def test_greedy_tokens_equal_transformers_generate(tmp_path, shapes):
+    import inspect
     import os
 
     import torch
@@ -45,10 +46,13 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path, shapes):
     with Image.open(image) as picture:
         processed = Qwen2VLImageProcessor()(images=[picture.convert("RGB")], return_tensors="pt")
     assert torch.equal(processed["image_grid_thw"], grid)
+    inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                  pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"])
+    if "mm_token_type_ids" in inspect.signature(type(hf.model).forward).parameters:
+        # transformers 5.x: the 3-D positions come from the token types its processor returns (1-D without them)
+        inputs["mm_token_type_ids"] = (input_ids == tiny_config().image_token_id).int()
     with torch.no_grad():
-        out = hf.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                          pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"],
-                          do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+        out = hf.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
     theirs = out[0, input_ids.shape[1]:].tolist()
     stops = {tokenizer.special_ids["<|im_end|>"], tokenizer.special_ids["<|endoftext|>"]}
     assert ours == theirs[:len(ours)], (ours, theirs)

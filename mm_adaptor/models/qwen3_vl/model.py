@@ -1,0 +1,220 @@
+"""Qwen3-VL (dense or MoE) from megatron-core modules: vision tower, patch merger and DeepStack mergers (first
+pipeline stage only) feeding a GPTModel with interleaved multimodal rope, whose first layers add the DeepStack
+features at the visual tokens.
+
+State-dict names: vision_model.{patch_embed, pos_embed, decoder.layers}.*, vision_projection.*,
+deepstack_projections.{k}.*, language_model.* (MoE layers: mlp.router.weight, mlp.experts.local_experts.{e}.*, the
+experts megatron's local spec builds: SequentialMLP)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.enums import ModelType
+from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch import nn
+
+from mm_adaptor.models.qwen3_vl.config import (
+    Qwen3VLConfig, language_transformer_config, projection_config, validate, vision_transformer_config,
+)
+from mm_adaptor.models.qwen3_vl.vision import PatchMerger, VisionModel, refuse_unbuilt_impl
+
+
+def interleaved_axes(mrope_section, rotary_freqs: int) -> torch.Tensor:
+    """Which position axis (0 t, 1 h, 2 w) turns each rotary frequency: T H W T H W ..., h on 1, 4, .. below
+    3 * section[1], w on 2, 5, .. below 3 * section[2], t on the rest (transformers' Qwen3-VL layout)."""
+    axes = torch.zeros(rotary_freqs, dtype=torch.long)
+    for axis in (1, 2):
+        axes[axis:3 * mrope_section[axis]:3] = axis
+    return axes
+
+
+class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
+    """megatron's MultimodalRotaryEmbedding gives each axis a contiguous chunk of frequencies (TTT HHH WWW);
+    Qwen3-VL interleaves them. Same inverse frequencies, same output ([s, b, 1, 2 * freqs], rotate-half layout)."""
+
+    def forward(self, position_ids: torch.Tensor, mrope_section, cp_group=None) -> torch.Tensor:
+        if self.rotary_interleaved:
+            raise ValueError("Qwen3-VL: rotary_interleaved (pairwise rotation) is not Qwen3-VL's layout")
+        cp_group = cp_group if cp_group is not None else getattr(self, "cp_group", None)
+        if cp_group is not None and cp_group.size() > 1:
+            raise ValueError("Qwen3-VL: context parallelism is not supported yet")
+        positions = position_ids.to(device=self.inv_freq.device, dtype=torch.float32)
+        if self.seq_len_interpolation_factor is not None:
+            positions = positions / self.seq_len_interpolation_factor
+        freqs = positions[..., None] * self.inv_freq  # [3, b, s, freqs]
+        axes = interleaved_axes(mrope_section, freqs.shape[-1]).to(freqs.device)
+        freqs = torch.gather(freqs, 0, axes.expand(1, *freqs.shape[1:3], -1))[0]  # [b, s, freqs]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[..., None, :].transpose(0, 1).contiguous()
+
+
+class DeepStackTransformerLayer(TransformerLayer):
+    """A TransformerLayer that, when handed DeepStack features, adds its own (the layer's global index) at the
+    visual tokens after it ran (as transformers' Qwen3VLTextModel does).
+
+    The features travel as the block's `context` ([features, visual tokens here, hidden]) and the visual-token
+    mask as `context_mask` ([s(/TP with SP), b]): the block hands both to every layer and, under activation
+    recompute, saves and restores them with the layer inputs. This decoder has no cross-attention, so nothing
+    else reads them."""
+
+    def forward(self, *args, **kwargs):
+        output, context = super().forward(*args, **kwargs)
+        index = self.layer_number - 1
+        if context is not None and index < context.shape[0]:
+            mask = kwargs["context_mask"]
+            output = output.index_put((mask,), output[mask] + context[index].to(output.dtype))
+        return output, context
+
+
+def language_block_spec(lm_config, vp_stage: int | None = None):
+    """This stage's language layers: megatron's local GPT block spec (RMSNorm, q/k norm, dense or MoE MLP per
+    config.moe_layer_freq) with DeepStack layers."""
+    block = get_gpt_decoder_block_spec(lm_config, use_transformer_engine=False, normalization="RMSNorm",
+                                       vp_stage=vp_stage)
+    specs = []
+    for spec in block.layer_specs:
+        spec = copy.copy(spec)
+        spec.module = DeepStackTransformerLayer
+        specs.append(spec)
+    block.layer_specs = specs
+    return block
+
+
+class ShardedModuleList(nn.ModuleList):
+    """A ModuleList whose checkpoint entries are its members' own sharded ones (a plain ModuleList would be saved
+    as local tensors, each TP rank's shard taken for the whole tensor)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        entries = {}
+        for index, member in enumerate(self):
+            entries.update(member.sharded_state_dict(f"{prefix}{index}.", sharded_offsets, metadata))
+        return entries
+
+
+class Qwen3VLModel(MegatronModule):
+    """forward(input_ids [b, s], position_ids [3, b, s], ...) -> logits [b, s, vocab / TP] (whole vocab with
+    runtime_gather_output=True; with labels, the per-token loss [b, s]) on the last stage, hidden states
+    [s(/TP with SP), b, h] on the others. position_ids (3-D, interleaved rope index) are needed on every stage;
+    images and videos only on the first, which also holds the DeepStack layers."""
+
+    def __init__(self, config: Qwen3VLConfig, pre_process: bool = True, post_process: bool = True,
+                 parallel_output: bool = True, vp_stage: int | None = None):
+        refuse_unbuilt_impl(config)
+        validate(config)
+        lm_config = language_transformer_config(config)
+        super().__init__(config=lm_config)
+        self.model_config = config
+        self.pre_process, self.post_process = pre_process, post_process
+        self.share_embeddings_and_output_weights = config.tie_word_embeddings
+        self.model_type = ModelType.encoder_or_decoder  # megatron's schedules read it
+        if pre_process:
+            self.vision_model = VisionModel(config, vision_transformer_config(config))
+            merger_config = projection_config(config)
+            self.vision_projection = PatchMerger(config, merger_config, postshuffle=False)
+            self.deepstack_projections = ShardedModuleList(
+                PatchMerger(config, merger_config, postshuffle=True) for _ in config.deepstack_visual_indexes)
+        self.language_model = GPTModel(
+            config=lm_config, transformer_layer_spec=language_block_spec(lm_config, vp_stage),
+            vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
+            pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
+            share_embeddings_and_output_weights=config.tie_word_embeddings, position_embedding_type="mrope",
+            rotary_base=config.rope_theta, scatter_embedding_sequence_parallel=False, vp_stage=vp_stage,
+        )
+        if config.mrope_interleaved:
+            self.language_model.rotary_pos_emb = InterleavedMultimodalRotaryEmbedding(
+                kv_channels=lm_config.kv_channels, rotary_percent=1.0, rotary_interleaved=lm_config.rotary_interleaved,
+                rotary_base=config.rope_theta)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.language_model.set_input_tensor(input_tensor)
+
+    def shared_embedding_or_output_weight(self):
+        return self.language_model.shared_embedding_or_output_weight()
+
+    def vision_embeddings(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+        """([merged tokens, hidden], [the DeepStack features, each [merged tokens, hidden]]) in processor order (one
+        row per image-pad / video-pad token); the DeepStack list in the order the language layers take them."""
+        hidden, deepstack = self.vision_model(pixel_values, grid_thw)
+        return self.vision_projection(hidden), [self.deepstack_projections[k](h) for k, h in deepstack]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None, labels=None,
+                pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
+                loss_mask=None, runtime_gather_output: bool | None = None):
+        decoder_input, block_kwargs = None, None
+        if self.pre_process:
+            decoder_input, block_kwargs = self._embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                                                      video_grid_thw)
+        return self.language_model(input_ids=None if self.pre_process else input_ids, position_ids=position_ids,
+                                   attention_mask=attention_mask, decoder_input=decoder_input, labels=labels,
+                                   loss_mask=loss_mask, runtime_gather_output=runtime_gather_output,
+                                   extra_block_kwargs=block_kwargs)
+
+    def _embed(self, input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw):
+        """Word embeddings [s, b, h] with the vision embeddings at the pad tokens, scattered for SP, and the
+        decoder block's DeepStack arguments (None without visual tokens or with config.deepstack off)."""
+        c = self.model_config
+        text = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h], whole sequence
+        batch_major = text.transpose(0, 1)
+        replaced, visual = False, []  # visual: (pad-token mask [b, s], DeepStack features [k, tokens, h])
+        for token, pixels, grid in ((c.image_token_id, pixel_values, image_grid_thw),
+                                    (c.video_token_id, pixel_values_videos, video_grid_thw)):
+            at = input_ids == token
+            if pixels is None:
+                if bool(at.any()):
+                    raise ValueError(f"input_ids hold token {token} but no pixels came for it")
+                continue
+            merged, deepstack = self.vision_embeddings(pixels, grid)
+            if int(at.sum()) != merged.shape[0]:
+                raise ValueError(f"{int(at.sum())} pad tokens {token} for {merged.shape[0]} vision embeddings")
+            if not replaced:
+                batch_major, replaced = batch_major.clone(), True
+            batch_major[at] = merged.to(text.dtype)
+            if deepstack:
+                visual.append((at, torch.stack(deepstack).to(text.dtype)))
+        embeddings = batch_major.transpose(0, 1).contiguous()
+        block_kwargs = _deepstack_block_kwargs(visual, self.config.sequence_parallel) if (
+            visual and c.deepstack) else None
+        if self.config.sequence_parallel:
+            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
+        return embeddings, block_kwargs
+
+
+def _deepstack_block_kwargs(visual, sequence_parallel: bool) -> dict:
+    """{"context": [k, visual tokens of this rank, h] in sequence-major order, "context_mask": [s(/TP), b]}."""
+    any_visual = visual[0][0].clone()
+    for at, _ in visual[1:]:
+        any_visual |= at
+    count = int(any_visual.sum())
+    features = visual[0][1].new_zeros(visual[0][1].shape[0], count, visual[0][1].shape[-1])
+    for at, rows in visual:  # images and videos together, in the order of their tokens (transformers' joint list)
+        features[:, at[any_visual]] = rows
+    # batch-major [b, s] rows -> the order of the [s, b] hidden states
+    rank_in_batch_major = torch.full(any_visual.shape, -1, dtype=torch.long, device=any_visual.device)
+    rank_in_batch_major[any_visual] = torch.arange(count, device=any_visual.device)
+    mask = any_visual.t().contiguous()
+    features = features[:, rank_in_batch_major.t()[mask]]
+    if sequence_parallel:  # this rank's slice of the sequence; gradients summed over TP ranks on the way back
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        local = mask.shape[0] // parallel_state.get_tensor_model_parallel_world_size()
+        start = int(mask[:rank * local].sum())
+        mask = mask[rank * local:(rank + 1) * local]
+        features = tensor_parallel.copy_to_tensor_model_parallel_region(features)[:, start:start + int(mask.sum())]
+    return {"context": features, "context_mask": mask}
+
+
+def model_provider(config: Qwen3VLConfig, pre_process: bool = True, post_process: bool = True,
+                   vp_stage: int | None = None, parallel_output: bool = True) -> Qwen3VLModel:
+    """This rank's Qwen3-VL stage (megatron's parallel state must be initialised, with the expert model and
+    expert tensor parallel sizes of the config for MoE). For a Megatron-LM script: functools.partial(model_provider,
+    config) is a (pre_process, post_process, vp_stage) provider."""
+    if vp_stage is not None:
+        raise ValueError("Qwen3-VL: virtual pipeline stages are not supported yet")
+    return Qwen3VLModel(config, pre_process=pre_process, post_process=post_process,
+                        parallel_output=parallel_output, vp_stage=vp_stage)
