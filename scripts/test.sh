@@ -19,7 +19,7 @@ done
 # + transformers 4.57 (the newest leg runs 5.x): both VLM families' TP1 logits against it and the configs each
 #   major saves
 BASE_LEG=(tests/unit tests/distributed/test_every_feature_on_installed_megatron.py tests/npu/test_npu_process_groups.py
-          tests/models/test_qwen2_5_vl_logits.py tests/models/test_qwen3_vl_logits.py
+          tests/models/test_qwen2_5_vl_logits.py tests/models/test_qwen3_vl_logits.py tests/models/test_qwen3_vl_positions.py
           tests/convert/test_config_spellings.py)
 # torch_npu pairs with torch 2.5 to 2.9 (megatron-core 0.16 needs 2.6), the other legs run 2.13: what depends on
 # torch's version under the NPU backend (collectives and the torch-function mode, the RNG and its generators, the

@@ -33,6 +33,19 @@ PREPROCESSOR_CONFIG = "preprocessor_config.json"
 VIDEO_PREPROCESSOR_CONFIG = "video_preprocessor_config.json"
 
 
+def to_rgb(image):
+    """RGB as transformers 5.x's convert_to_rgb: transparency composited onto white (4.57 dropped the alpha channel,
+    so a transparent pixel kept its hidden colour)."""
+    from PIL import Image
+
+    if image.mode == "RGB":
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
 @dataclasses.dataclass(frozen=True)
 class ImageProcessing:
     """A family's preprocessing parameters (Qwen2.5-VL's by default) and the operations that use them."""
@@ -126,8 +139,7 @@ class ImageProcessing:
         transformers' (slow) Qwen2VLImageProcessor with these parameters."""
         from PIL import Image
 
-        if image.mode != "RGB":
-            image = image.convert("RGB")  # as transformers' convert_to_rgb
+        image = to_rgb(image)
         rows, cols = self.smart_resize(image.height, image.width)
         if (rows, cols) != (image.height, image.width):
             image = image.resize((cols, rows), resample=Image.BICUBIC)
@@ -152,7 +164,7 @@ class ImageProcessing:
         frames = list(frames)
         if len({f.size for f in frames}) > 1:
             raise ValueError(f"video frames of different sizes: {sorted({f.size for f in frames})}")
-        clip = np.stack([np.asarray(f if f.mode == "RGB" else f.convert("RGB")) for f in frames])  # [n, H, W, 3]
+        clip = np.stack([np.asarray(to_rgb(f)) for f in frames])  # [n, H, W, 3]
         count, height, width = clip.shape[:3]
         rows, cols = video_smart_resize(count, height, width, self.factor, self.temporal_patch_size, self.min_pixels,
                                         self.max_pixels)

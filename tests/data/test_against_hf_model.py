@@ -6,6 +6,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from hf_compat import with_token_types  # noqa: E402
 from mm_adaptor.data import build  # noqa: E402
 from mm_adaptor.data.vlm import IGNORE_INDEX  # noqa: E402
 from mm_adaptor.models.qwen2_5_vl import tiny_hf_config_dict  # noqa: E402
@@ -19,8 +20,9 @@ def test_positions_and_loss_as_transformers(shapes, byte_setup):
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**tiny_hf_config_dict(config))).eval()
     mask = batch["attention_mask"]
-    positions, _ = model.model.get_rope_index(batch["input_ids"], batch["image_grid_thw"], None,
-                                              attention_mask=mask.long())
+    types = with_token_types(config, batch["input_ids"])
+    positions, _ = model.model.get_rope_index(batch["input_ids"], image_grid_thw=batch["image_grid_thw"],
+                                              attention_mask=mask.long(), **types)
     assert torch.equal(positions[:, mask], batch["position_ids"][:, mask])
     # HF's labels: the input ids themselves (HF shifts them) on the reply and its <|im_end|>, found from the ids
     hf_labels = torch.full_like(batch["input_ids"], IGNORE_INDEX)
@@ -32,7 +34,7 @@ def test_positions_and_loss_as_transformers(shapes, byte_setup):
         hf_labels[row, first:last + 1] = batch["input_ids"][row, first:last + 1]
     with torch.no_grad():
         out = model(input_ids=batch["input_ids"], attention_mask=mask.long(), pixel_values=batch["pixel_values"],
-                    image_grid_thw=batch["image_grid_thw"], labels=hf_labels)
+                    image_grid_thw=batch["image_grid_thw"], labels=hf_labels, **types)
     per_token = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1),
                                                   batch["labels"].clamp(min=0).flatten(), reduction="none")
     ours = (per_token * batch["loss_mask"].flatten()).sum() / batch["loss_mask"].sum()

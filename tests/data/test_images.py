@@ -6,8 +6,10 @@ import pytest
 pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
 
-from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor  # noqa: E402
-from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as hf_smart_resize  # noqa: E402
+from hf_compat import slow_module, slow_qwen2_vl_image_processor  # noqa: E402
+
+Qwen2VLImageProcessor = slow_qwen2_vl_image_processor()
+hf_smart_resize = slow_module().smart_resize
 
 from mm_adaptor.data import images  # noqa: E402
 

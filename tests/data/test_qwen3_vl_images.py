@@ -18,7 +18,9 @@ import pytest
 pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
 
-from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor  # noqa: E402
+from hf_compat import slow_qwen2_vl_image_processor  # noqa: E402
+
+Qwen2VLImageProcessor = slow_qwen2_vl_image_processor()
 
 from mm_adaptor.data import images  # noqa: E402
 from mm_adaptor.data.images import ImageProcessing  # noqa: E402

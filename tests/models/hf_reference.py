@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numpy as np
+from hf_compat import hf_takes_token_types, token_types, with_token_types  # noqa: F401  (callers import them here)
 import torch
 
 from mm_adaptor.models.qwen2_5_vl import Qwen25VLConfig, tiny_hf_config_dict
@@ -25,26 +26,10 @@ def hf_model(config: Qwen25VLConfig, seed: int = 0):
     return model
 
 
-def hf_takes_token_types() -> bool:
-    """transformers 5.x builds the 3-D positions from `mm_token_type_ids` (its processor's output: 1 image pad, 2
-    video pad, 0 text); called without them, its forward and generate fall back to 1-D positions."""
-    import inspect
-
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
-
-    return "mm_token_type_ids" in inspect.signature(Qwen2_5_VLModel.forward).parameters
-
-
-def token_types(config: Qwen25VLConfig, input_ids: torch.Tensor) -> torch.Tensor:
-    return ((input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int())
-
-
 def hf_inputs(config: Qwen25VLConfig, input_ids: torch.Tensor, **inputs) -> dict:
     """Keyword arguments of the transformers model's forward/generate: input_ids and `inputs`, with the token types
     where the installed transformers needs them (5.x)."""
-    if hf_takes_token_types():
-        inputs["mm_token_type_ids"] = token_types(config, input_ids)
-    return {"input_ids": input_ids, **inputs}
+    return {"input_ids": input_ids, **with_token_types(config, input_ids, **inputs)}
 
 
 def hf_image_features(model, pixels, grid) -> torch.Tensor:
@@ -56,7 +41,9 @@ def hf_image_features(model, pixels, grid) -> torch.Tensor:
 
 def images(sizes=IMAGE_SIZES, seed: int = 1):
     from PIL import Image
-    from transformers import Qwen2VLImageProcessor
+    from hf_compat import slow_qwen2_vl_image_processor
+
+    Qwen2VLImageProcessor = slow_qwen2_vl_image_processor()
 
     rng = np.random.default_rng(seed)
     pictures = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]

@@ -46,7 +46,9 @@ def preprocessing():
 
 def transformers_processor():
     """transformers' image processor with the same values (to check the repository's against)."""
-    from transformers import Qwen2VLImageProcessor
+    from hf_compat import slow_qwen2_vl_image_processor
+
+    Qwen2VLImageProcessor = slow_qwen2_vl_image_processor()
 
     processing = preprocessing()
     return Qwen2VLImageProcessor(patch_size=processing.patch_size, merge_size=processing.merge_size,

@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from hf_compat import hf_takes_token_types
 
 from mm_adaptor.data.images import frame_timestamps, video_placeholder
 from mm_adaptor.models.qwen2_5_vl import rope_index as qwen2_5_rope_index
@@ -59,6 +60,8 @@ class _Grids:
 def processor_layout(texts, images=(), videos=()):
     """(token ids per text, texts as expanded, image grids, video grids) from Qwen3VLProcessor.__call__; videos:
     (grid_thw, fps, sampled frame indices) each."""
+    if hf_takes_token_types():
+        return expanded_layout(texts, images, videos)
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
     from transformers.video_utils import VideoMetadata
 
@@ -75,6 +78,37 @@ def processor_layout(texts, images=(), videos=()):
         setattr(processor, f"{name}_token_id", SPECIAL[token])
     out = processor(text=texts, images=["image"] * len(images) or None, videos=["video"] * len(videos) or None)
     return out["input_ids"], processor.tokenizer.texts, image_grid, video_grid
+
+
+def expanded_layout(texts, images=(), videos=()):
+    """processor_layout written by our own data.images.video_placeholder, for transformers 5.x, whose processor
+    cannot run on stand-in sub-processors (the 4.57 leg checks that the two layouts are the same)."""
+    next_image, next_video, expanded = iter(images), iter(videos), []
+    for text in texts:
+        pieces = []
+        for piece in re.split(f"({re.escape(IMAGE_TAG)}|{re.escape(VIDEO_TAG)})", text):
+            if piece == IMAGE_TAG:
+                t, h, w = next(next_image)
+                piece = "<|vision_start|>" + "<|image_pad|>" * (t * h * w // 4) + "<|vision_end|>"
+            elif piece == VIDEO_TAG:
+                grid, fps, indices = next(next_video)
+                piece = video_placeholder(frame_timestamps(indices, fps), grid[1] * grid[2] // 4)
+            pieces.append(piece)
+        expanded.append("".join(pieces))
+    tokenizer = _Tokenizer()
+    rows = tokenizer(expanded)["input_ids"]
+    image_grid = torch.tensor([list(g) for g in images]) if images else None
+    video_grid = torch.tensor([list(g) for g, _, _ in videos]) if videos else None
+    return rows, tokenizer.texts, image_grid, video_grid
+
+
+def test_our_layout_is_the_processors():
+    """What expanded_layout writes is what transformers' processor writes (4.57: its processor runs on stand-ins)."""
+    if hf_takes_token_types():
+        pytest.skip("transformers 5.x's processor cannot run on stand-in sub-processors; the 4.57 leg compares")
+    for case in CASES.values():
+        args = (case["texts"], case.get("images", ()), case.get("videos", ()))
+        assert processor_layout(*args)[:2] == expanded_layout(*args)[:2]
 
 
 def left_padded(rows):
@@ -102,19 +136,32 @@ CASES = {
 }
 
 
+def hf_rope_index(model, ids, images, videos, mask):
+    """transformers' get_rope_index: 4.57 takes the grids; 5.x the token types first (1 image pad, 2 video pad)."""
+    if hf_takes_token_types():
+        types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+        return model.get_rope_index(ids, types, image_grid_thw=images, video_grid_thw=videos, attention_mask=mask)
+    return model.get_rope_index(ids, images, videos, mask)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_rope_index_equals_transformers(name, hf_model):
     case = CASES[name]
     rows, _, images, videos = processor_layout(case["texts"], case.get("images", ()), case.get("videos", ()))
     ids, mask = left_padded(rows)
     mask = mask if case.get("padded") else None
-    theirs = hf_model.get_rope_index(ids, images, videos, mask)
+    theirs = hf_rope_index(hf_model, ids, images, videos, mask)
     ours = rope_index(ids, images, videos, mask, spatial_merge_size=2, image_token_id=IMAGE, video_token_id=VIDEO,
                       vision_start_token_id=START)
     assert ours[0].dtype == theirs[0].dtype and ours[0].shape == theirs[0].shape == (3, *ids.shape)
-    assert torch.equal(ours[0], theirs[0]), name
-    assert torch.equal(ours[1], theirs[1]), name
-    assert torch.equal(rope_index_for(hf_model.config, ids, images, videos, attention_mask=mask)[0], theirs[0])
+    real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    assert torch.equal(ours[0][:, real], theirs[0][:, real]), name
+    if hf_takes_token_types() and mask is not None:  # 5.x: padded slots 0 (4.57: 1), deltas over real tokens
+        assert torch.equal(ours[1] + (~real).sum(1, keepdim=True), theirs[1].view(ours[1].shape)), name
+    else:
+        assert torch.equal(ours[0], theirs[0]), name
+        assert torch.equal(ours[1], theirs[1].view(ours[1].shape)), name
+    assert torch.equal(rope_index_for(hf_model.config, ids, images, videos, attention_mask=mask)[0], ours[0])
     if videos is not None:
         assert torch.equal(videos, torch.tensor([v[0] for v in case["videos"]]))  # the caller's grid is not split
 
@@ -160,6 +207,8 @@ def test_rope_index_for_our_config(hf_model):
     case = CASES["batch_of_two_left_padded"]
     rows, _, images, videos = processor_layout(case["texts"], case["images"], case["videos"])
     ids, mask = left_padded(rows)
-    ours_pos, ours_delta = rope_index_for(config, ids, images, videos, attention_mask=mask)
-    theirs_pos, theirs_delta = hf_model.get_rope_index(ids, images, videos, mask)
-    assert torch.equal(ours_pos, theirs_pos) and torch.equal(ours_delta, theirs_delta)
+    ours_pos, _ = rope_index_for(config, ids, images, videos, attention_mask=mask)
+    theirs_pos, _ = hf_rope_index(hf_model, ids, images, videos, mask)
+    assert torch.equal(ours_pos, rope_index(ids, images, videos, mask, spatial_merge_size=2, image_token_id=IMAGE,
+                                            video_token_id=VIDEO, vision_start_token_id=START)[0])
+    assert torch.equal(ours_pos[:, mask.bool()], theirs_pos[:, mask.bool()])

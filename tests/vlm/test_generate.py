@@ -26,7 +26,9 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path, shapes):
 
     import torch
     from PIL import Image
-    from transformers import Qwen2VLImageProcessor
+    from hf_compat import slow_qwen2_vl_image_processor
+
+    Qwen2VLImageProcessor = slow_qwen2_vl_image_processor()
 
     from mm_adaptor.data import load_tokenizer
     from mm_adaptor.cli.generate import prompt_inputs

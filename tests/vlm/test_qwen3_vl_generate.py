@@ -46,11 +46,14 @@ def _theirs(hf, prompt_ids, image):
 
     with Image.open(image) as picture:
         pixels, grid = QWEN3_VL.preprocess(picture)
+    from hf_compat import with_token_types
+
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
         out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=torch.from_numpy(pixels),
                           image_grid_thw=torch.tensor([list(grid)]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                          eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+                          eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+                          **with_token_types(hf.config, ids))
     new = out.sequences[0, ids.shape[1]:].tolist()
     logprobs = [float(torch.log_softmax(score[0].float(), -1)[t]) for score, t in zip(out.scores, new)]
     return new, logprobs

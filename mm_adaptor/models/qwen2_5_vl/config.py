@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from mm_adaptor.models.megatron_config import activation, common_fields
+
 
 @dataclass
 class Qwen25VLConfig:
@@ -133,30 +135,6 @@ def tiny_hf_config_dict(config: Qwen25VLConfig | None = None) -> dict:
     }
 
 
-def _dtype(name: str):
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def _common(c: Qwen25VLConfig) -> dict:
-    dtype = _dtype(c.params_dtype)
-    return dict(
-        tensor_model_parallel_size=c.tensor_model_parallel_size,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=c.params_dtype == "bfloat16",
-        fp16=c.params_dtype == "float16", use_cpu_initialization=True, normalization="RMSNorm",
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, cuda_graph_scope=[],
-        **c.extra,
-    )
-
-
-def _activation(name: str):
-    import torch.nn.functional as F
-
-    return {"silu": F.silu, "gelu": F.gelu}[name]
-
-
 def vision_transformer_config(c: Qwen25VLConfig):
     """The vision tower's layers: bidirectional, biased qkv/proj/SwiGLU, no pipeline split, no SP."""
     from megatron.core.transformer import TransformerConfig
@@ -164,9 +142,9 @@ def vision_transformer_config(c: Qwen25VLConfig):
     return TransformerConfig(
         num_layers=c.vision_depth, hidden_size=c.vision_hidden_size, ffn_hidden_size=c.vision_ffn_hidden_size,
         num_attention_heads=c.vision_num_heads, kv_channels=c.vision_hidden_size // c.vision_num_heads,
-        layernorm_epsilon=1e-6, gated_linear_unit=True, activation_func=_activation(c.vision_hidden_act),
+        layernorm_epsilon=1e-6, gated_linear_unit=True, activation_func=activation(c.vision_hidden_act),
         add_bias_linear=True, add_qkv_bias=True, pipeline_model_parallel_size=1, sequence_parallel=False,
-        **_common(c),
+        **common_fields(c, "RMSNorm"),
     )
 
 
@@ -179,7 +157,7 @@ def projection_config(c: Qwen25VLConfig):
     return TransformerConfig(
         num_layers=1, hidden_size=c.hidden_size, ffn_hidden_size=merged, num_attention_heads=c.vision_num_heads,
         layernorm_epsilon=1e-6, gated_linear_unit=False, activation_func=F.gelu, add_bias_linear=True,
-        pipeline_model_parallel_size=1, sequence_parallel=False, **_common(c),
+        pipeline_model_parallel_size=1, sequence_parallel=False, **common_fields(c, "RMSNorm"),
     )
 
 
@@ -202,7 +180,7 @@ def language_transformer_config(c: Qwen25VLConfig):
         num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
         num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups,
         kv_channels=c.hidden_size // c.num_attention_heads, layernorm_epsilon=c.norm_epsilon,
-        gated_linear_unit=True, activation_func=_activation("silu"), add_bias_linear=False, add_qkv_bias=True,
+        gated_linear_unit=True, activation_func=activation("silu"), add_bias_linear=False, add_qkv_bias=True,
         mrope_section=list(c.mrope_section), pipeline_model_parallel_size=c.pipeline_model_parallel_size,
-        sequence_parallel=c.sequence_parallel, **kwargs, **_common(c),
+        sequence_parallel=c.sequence_parallel, **kwargs, **common_fields(c, "RMSNorm"),
     )

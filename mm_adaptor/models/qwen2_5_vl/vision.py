@@ -23,7 +23,8 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 
-from mm_adaptor.models.qwen2_5_vl.config import Qwen25VLConfig, _dtype
+from mm_adaptor.models.qwen2_5_vl.config import Qwen25VLConfig
+from mm_adaptor.models.megatron_config import dtype as _dtype
 
 
 class VisionTransformerLayer(TransformerLayer):

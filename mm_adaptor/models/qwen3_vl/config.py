@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from mm_adaptor.models.megatron_config import ACTIVATIONS, activation, common_fields
+
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
 
@@ -244,40 +246,6 @@ def tiny_hf_config_dict(config: Qwen3VLConfig | None = None) -> dict:
     }
 
 
-def _dtype(name: str):
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def gelu_tanh(x):
-    """transformers' gelu_pytorch_tanh (a named function: TransformerConfigs are saved with checkpoints)."""
-    import torch.nn.functional as F
-
-    return F.gelu(x, approximate="tanh")
-
-
-def _activation(name: str):
-    import torch.nn.functional as F
-
-    return {"gelu_pytorch_tanh": gelu_tanh, "gelu": F.gelu, "silu": F.silu}[name]
-
-
-ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "silu")
-
-
-def _common(c: Qwen3VLConfig, normalization: str) -> dict:
-    dtype = _dtype(c.params_dtype)
-    return dict(
-        tensor_model_parallel_size=c.tensor_model_parallel_size,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=c.params_dtype == "bfloat16",
-        fp16=c.params_dtype == "float16", use_cpu_initialization=True, normalization=normalization,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, cuda_graph_scope=[],
-        **c.extra,
-    )
-
-
 def vision_transformer_config(c: Qwen3VLConfig):
     """The vision tower's layers: bidirectional, LayerNorm with bias, biased fused qkv/proj, GELU-tanh MLP (not
     gated); no pipeline split, no SP."""
@@ -286,9 +254,9 @@ def vision_transformer_config(c: Qwen3VLConfig):
     return TransformerConfig(
         num_layers=c.vision_depth, hidden_size=c.vision_hidden_size, ffn_hidden_size=c.vision_ffn_hidden_size,
         num_attention_heads=c.vision_num_heads, kv_channels=c.vision_hidden_size // c.vision_num_heads,
-        layernorm_epsilon=1e-6, gated_linear_unit=False, activation_func=_activation(c.vision_hidden_act),
+        layernorm_epsilon=1e-6, gated_linear_unit=False, activation_func=activation(c.vision_hidden_act),
         add_bias_linear=True, add_qkv_bias=True, pipeline_model_parallel_size=1, sequence_parallel=False,
-        **_common(c, "LayerNorm"),
+        **common_fields(c, "LayerNorm"),
     )
 
 
@@ -300,8 +268,8 @@ def projection_config(c: Qwen3VLConfig):
     merged = c.vision_hidden_size * c.spatial_merge_size**2
     return TransformerConfig(
         num_layers=1, hidden_size=c.hidden_size, ffn_hidden_size=merged, num_attention_heads=c.vision_num_heads,
-        layernorm_epsilon=1e-6, gated_linear_unit=False, activation_func=_activation("gelu"), add_bias_linear=True,
-        pipeline_model_parallel_size=1, sequence_parallel=False, **_common(c, "LayerNorm"),
+        layernorm_epsilon=1e-6, gated_linear_unit=False, activation_func=activation("gelu"), add_bias_linear=True,
+        pipeline_model_parallel_size=1, sequence_parallel=False, **common_fields(c, "LayerNorm"),
     )
 
 
@@ -335,8 +303,8 @@ def language_transformer_config(c: Qwen3VLConfig):
     return TransformerConfig(
         num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
         num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups, kv_channels=c.head_dim,
-        layernorm_epsilon=c.norm_epsilon, gated_linear_unit=True, activation_func=_activation("silu"),
+        layernorm_epsilon=c.norm_epsilon, gated_linear_unit=True, activation_func=activation("silu"),
         add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True, mrope_section=list(c.mrope_section),
         pipeline_model_parallel_size=c.pipeline_model_parallel_size, sequence_parallel=c.sequence_parallel,
-        **kwargs, **_common(c, "RMSNorm"),
+        **kwargs, **common_fields(c, "RMSNorm"),
     )

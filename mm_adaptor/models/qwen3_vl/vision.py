@@ -20,7 +20,8 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlock
 from torch import nn
 
-from mm_adaptor.models.qwen3_vl.config import Qwen3VLConfig, _dtype
+from mm_adaptor.models.qwen3_vl.config import Qwen3VLConfig
+from mm_adaptor.models.megatron_config import dtype as _dtype
 
 
 def refuse_unbuilt_impl(config: Qwen3VLConfig) -> None:
