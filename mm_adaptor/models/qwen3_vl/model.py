@@ -12,11 +12,8 @@ import copy
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
-from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 
@@ -24,6 +21,7 @@ from mm_adaptor.models.qwen3_vl.config import (
     Qwen3VLConfig, language_transformer_config, projection_config, validate, vision_transformer_config,
 )
 from mm_adaptor.models.qwen3_vl.vision import PatchMerger, VisionModel, refuse_unbuilt_impl
+from mm_adaptor.models.vision_language import VisionLanguageModel
 
 
 def interleaved_axes(mrope_section, rotary_freqs: int) -> torch.Tensor:
@@ -98,45 +96,28 @@ class ShardedModuleList(nn.ModuleList):
         return entries
 
 
-class Qwen3VLModel(MegatronModule):
-    """forward(input_ids [b, s], position_ids [3, b, s], ...) -> logits [b, s, vocab / TP] (whole vocab with
-    runtime_gather_output=True; with labels, the per-token loss [b, s]) on the last stage, hidden states
-    [s(/TP with SP), b, h] on the others. position_ids (3-D, interleaved rope index) are needed on every stage;
-    images and videos only on the first, which also holds the DeepStack layers."""
+class Qwen3VLModel(VisionLanguageModel):
+    """VisionLanguageModel with position_ids [3, b, s] from the interleaved rope index; the first stage also holds
+    the DeepStack mergers, whose features the first language layers add at the visual tokens."""
 
     def __init__(self, config: Qwen3VLConfig, pre_process: bool = True, post_process: bool = True,
                  parallel_output: bool = True, vp_stage: int | None = None):
         refuse_unbuilt_impl(config)
         validate(config)
         lm_config = language_transformer_config(config)
-        super().__init__(config=lm_config)
-        self.model_config = config
-        self.pre_process, self.post_process = pre_process, post_process
-        self.share_embeddings_and_output_weights = config.tie_word_embeddings
-        self.model_type = ModelType.encoder_or_decoder  # megatron's schedules read it
-        if pre_process:
-            self.vision_model = VisionModel(config, vision_transformer_config(config))
-            merger_config = projection_config(config)
-            self.vision_projection = PatchMerger(config, merger_config, postshuffle=False)
-            self.deepstack_projections = ShardedModuleList(
-                PatchMerger(config, merger_config, postshuffle=True) for _ in config.deepstack_visual_indexes)
-        self.language_model = GPTModel(
-            config=lm_config, transformer_layer_spec=language_block_spec(lm_config, vp_stage),
-            vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
-            pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
-            share_embeddings_and_output_weights=config.tie_word_embeddings, position_embedding_type="mrope",
-            rotary_base=config.rope_theta, scatter_embedding_sequence_parallel=False, vp_stage=vp_stage,
-        )
+        super().__init__(config, lm_config, language_block_spec(lm_config, vp_stage), pre_process=pre_process,
+                         post_process=post_process, parallel_output=parallel_output, vp_stage=vp_stage)
         if config.mrope_interleaved:
             self.language_model.rotary_pos_emb = InterleavedMultimodalRotaryEmbedding(
                 kv_channels=lm_config.kv_channels, rotary_percent=1.0, rotary_interleaved=lm_config.rotary_interleaved,
                 rotary_base=config.rope_theta)
 
-    def set_input_tensor(self, input_tensor) -> None:
-        self.language_model.set_input_tensor(input_tensor)
-
-    def shared_embedding_or_output_weight(self):
-        return self.language_model.shared_embedding_or_output_weight()
+    def build_vision(self, config: Qwen3VLConfig) -> None:
+        self.vision_model = VisionModel(config, vision_transformer_config(config))
+        merger_config = projection_config(config)
+        self.vision_projection = PatchMerger(config, merger_config, postshuffle=False)
+        self.deepstack_projections = ShardedModuleList(
+            PatchMerger(config, merger_config, postshuffle=True) for _ in config.deepstack_visual_indexes)
 
     def vision_embeddings(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
         """([merged tokens, hidden], [the DeepStack features, each [merged tokens, hidden]]) in processor order (one
@@ -144,46 +125,15 @@ class Qwen3VLModel(MegatronModule):
         hidden, deepstack = self.vision_model(pixel_values, grid_thw)
         return self.vision_projection(hidden), [self.deepstack_projections[k](h) for k, h in deepstack]
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None, labels=None,
-                pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
-                loss_mask=None, runtime_gather_output: bool | None = None):
-        decoder_input, block_kwargs = None, None
-        if self.pre_process:
-            decoder_input, block_kwargs = self._embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
-                                                      video_grid_thw)
-        return self.language_model(input_ids=None if self.pre_process else input_ids, position_ids=position_ids,
-                                   attention_mask=attention_mask, decoder_input=decoder_input, labels=labels,
-                                   loss_mask=loss_mask, runtime_gather_output=runtime_gather_output,
-                                   extra_block_kwargs=block_kwargs)
+    def visual_rows(self, pixels: torch.Tensor, grid: torch.Tensor):
+        return self.vision_embeddings(pixels, grid)
 
-    def _embed(self, input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw):
-        """Word embeddings [s, b, h] with the vision embeddings at the pad tokens, scattered for SP, and the
-        decoder block's DeepStack arguments (None without visual tokens or with config.deepstack off)."""
-        c = self.model_config
-        text = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h], whole sequence
-        batch_major = text.transpose(0, 1)
-        replaced, visual = False, []  # visual: (pad-token mask [b, s], DeepStack features [k, tokens, h])
-        for token, pixels, grid in ((c.image_token_id, pixel_values, image_grid_thw),
-                                    (c.video_token_id, pixel_values_videos, video_grid_thw)):
-            at = input_ids == token
-            if pixels is None:
-                if bool(at.any()):
-                    raise ValueError(f"input_ids hold token {token} but no pixels came for it")
-                continue
-            merged, deepstack = self.vision_embeddings(pixels, grid)
-            if int(at.sum()) != merged.shape[0]:
-                raise ValueError(f"{int(at.sum())} pad tokens {token} for {merged.shape[0]} vision embeddings")
-            if not replaced:
-                batch_major, replaced = batch_major.clone(), True
-            batch_major[at] = merged.to(text.dtype)
-            if deepstack:
-                visual.append((at, torch.stack(deepstack).to(text.dtype)))
-        embeddings = batch_major.transpose(0, 1).contiguous()
-        block_kwargs = _deepstack_block_kwargs(visual, self.config.sequence_parallel) if (
-            visual and c.deepstack) else None
-        if self.config.sequence_parallel:
-            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
-        return embeddings, block_kwargs
+    def block_kwargs(self, placed: list, dtype: torch.dtype) -> dict | None:
+        """The DeepStack arguments (None without DeepStack features or with config.deepstack off)."""
+        visual = [(at, torch.stack(deepstack).to(dtype)) for at, deepstack in placed if deepstack]
+        if not visual or not self.model_config.deepstack:
+            return None
+        return _deepstack_block_kwargs(visual, self.config.sequence_parallel)
 
 
 def _deepstack_block_kwargs(visual, sequence_parallel: bool) -> dict:
