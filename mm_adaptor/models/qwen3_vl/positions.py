@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from mm_adaptor.models.mrope_index import grid_rows, rope_index_rows
+
 
 def rope_index(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None = None,
                video_grid_thw: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,
@@ -29,33 +31,14 @@ def rope_index(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None = No
     frames are taken from the grids in the order they appear, across the batch."""
     if image_grid_thw is None and video_grid_thw is None:
         return _text_only(input_ids, attention_mask)
-    batch, length = input_ids.shape
-    position_ids = torch.ones(3, batch, length, dtype=input_ids.dtype, device=input_ids.device)
-    grids = {image_token_id: _rows(image_grid_thw), video_token_id: _frame_rows(video_grid_thw)}
-    used = {image_token_id: 0, video_token_id: 0}
-    deltas = []
-    for row in range(batch):
-        keep = torch.ones(length, dtype=torch.bool) if attention_mask is None else attention_mask[row].cpu() == 1
-        tokens = input_ids[row].cpu()[keep].tolist()
-        chunks, next_pos, cursor = [], 0, 0
-        for start in [i for i, token in enumerate(tokens[:-1]) if token == vision_start_token_id]:
-            kind = tokens[start + 1]
-            if kind not in grids or start < cursor:
-                continue
-            t, h, w = grids[kind][used[kind]]
-            used[kind] += 1
-            text_len = start + 1 - cursor
-            chunks.append(_text_positions(text_len, next_pos))
-            block = _vision_positions(t, h // spatial_merge_size, w // spatial_merge_size) + next_pos + text_len
-            chunks.append(block)
-            next_pos = int(block.max()) + 1
-            cursor = start + 1 + block.shape[1]
-        if cursor < len(tokens):
-            chunks.append(_text_positions(len(tokens) - cursor, next_pos))
-        positions = torch.cat(chunks, dim=1) if chunks else torch.zeros(3, 0, dtype=torch.long)
-        position_ids[:, row, keep.to(position_ids.device)] = positions.to(position_ids)
-        deltas.append(int(positions.max()) + 1 - length if positions.numel() else -length)
-    return position_ids, torch.tensor(deltas, device=input_ids.device).unsqueeze(1)
+    grids = {image_token_id: grid_rows(image_grid_thw), video_token_id: _frame_rows(video_grid_thw)}
+
+    def block_positions(kind: int, index: int) -> torch.Tensor:
+        t, h, w = grids[kind][index]
+        return _vision_positions(t, h // spatial_merge_size, w // spatial_merge_size)
+
+    return rope_index_rows(input_ids, attention_mask, vision_start_token_id=vision_start_token_id,
+                           vision_token_ids=grids, block_positions=block_positions, dtype=input_ids.dtype)
 
 
 def rope_index_for(config, input_ids, image_grid_thw=None, video_grid_thw=None, attention_mask=None):
@@ -81,17 +64,11 @@ def _text_only(input_ids, attention_mask):
     return count.unsqueeze(0).expand(3, -1, -1), deltas
 
 
-def _rows(grid_thw):
-    return [] if grid_thw is None else [tuple(int(v) for v in row) for row in grid_thw]
-
 
 def _frame_rows(video_grid_thw):
     # a video of t temporal patches is t one-frame blocks, each behind its own timestamp
-    return [(1, h, w) for t, h, w in _rows(video_grid_thw) for _ in range(t)]
+    return [(1, h, w) for t, h, w in grid_rows(video_grid_thw) for _ in range(t)]
 
-
-def _text_positions(count: int, first: int) -> torch.Tensor:
-    return (torch.arange(count) + first).unsqueeze(0).expand(3, -1)
 
 
 def _vision_positions(frames: int, rows: int, cols: int) -> torch.Tensor:
