@@ -1,6 +1,7 @@
 """A one-rank gloo megatron for unit tests; its own module, since several test folders have a conftest."""
 
 import contextlib
+import os
 
 
 @contextlib.contextmanager
@@ -22,3 +23,46 @@ def one_gloo_rank():
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
             devices.uninstall()
+
+
+def run_two_ranks(rank_main, workdir, case: dict) -> list[dict]:
+    """Saves case in workdir, runs rank_main(workdir) on two CPU gloo ranks (each inside rank_of_two) and returns
+    the results each rank saved."""
+    import torch
+
+    from mm_adaptor.ranks.launcher import launch
+
+    torch.save(case, os.path.join(workdir, "case.pt"))
+    launch(rank_main, (str(workdir),), nproc=2, timeout=300)
+    return [torch.load(os.path.join(workdir, f"rank{rank}.pt"), weights_only=False) for rank in range(2)]
+
+
+@contextlib.contextmanager
+def rank_of_two(workdir):
+    """In a rank that run_two_ranks started: the CPU backend and a gloo group of two. Yields (case, results): fill
+    results, it is saved for the test on the way out."""
+    import torch
+    import torch.distributed as dist
+
+    from mm_adaptor import devices
+
+    devices.install("cpu")
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    results = {}
+    yield torch.load(os.path.join(workdir, "case.pt"), weights_only=False), results
+    torch.save(results, os.path.join(workdir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def model_parallel(tensor: int, pipeline: int = 1, **sizes):
+    """megatron's parallel state for one layout (seeded as the driver seeds it), destroyed on the way out."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(tensor, pipeline, **sizes)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()

@@ -20,51 +20,40 @@ LAYOUTS = {"tp2": dict(tensor_model_parallel_size=2),
 
 
 def _rank_main(workdir):
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing, tensor_parallel
+    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
+    from gloo_rank import model_parallel, rank_of_two
     from hf_reference import megatron_shard
-    from mm_adaptor import devices
     from mm_adaptor.models.qwen2_5_vl.config import config_from_hf
     from mm_adaptor.models.qwen2_5_vl.model import model_provider
 
-    devices.install("cpu")
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    case = torch.load(os.path.join(workdir, "case.pt"), weights_only=False)
-    results = {}
-    for layout, fields in LAYOUTS.items():
-        config = config_from_hf(case["config"], **fields)
-        ps.initialize_model_parallel(config.tensor_model_parallel_size, config.pipeline_model_parallel_size)
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-        model = model_provider(config, pre_process=ps.is_pipeline_first_stage(),
-                               post_process=ps.is_pipeline_last_stage())
-        request = model.sharded_state_dict(prefix="", metadata={"singleton_local_shards": False})
-        loaded = dist_checkpointing.load({"model": request}, os.path.join(workdir, "mc", "iter_0000000"))["model"]
-        model.load_state_dict(loaded, strict=True)
-        tp_rank = ps.get_tensor_model_parallel_rank()
-        shard = megatron_shard(case["hf"], model, config, tp_rank, config.tensor_model_parallel_size)
-        own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-        results[layout] = {"keys": sorted(own), "expected_keys": sorted(shard),
-                           "differ": [k for k in own
-                                      if k in shard and not torch.equal(own[k], shard[k].to(own[k].dtype))]}
-        ps.destroy_model_parallel()
-    torch.save(results, os.path.join(workdir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    with rank_of_two(workdir) as (case, results):
+        for layout, fields in LAYOUTS.items():
+            config = config_from_hf(case["config"], **fields)
+            with model_parallel(config.tensor_model_parallel_size, config.pipeline_model_parallel_size):
+                model = model_provider(config, pre_process=ps.is_pipeline_first_stage(),
+                                       post_process=ps.is_pipeline_last_stage())
+                request = model.sharded_state_dict(prefix="", metadata={"singleton_local_shards": False})
+                loaded = dist_checkpointing.load({"model": request}, os.path.join(workdir, "mc", "iter_0000000"))
+                model.load_state_dict(loaded["model"], strict=True)
+                tp_rank = ps.get_tensor_model_parallel_rank()
+                shard = megatron_shard(case["hf"], model, config, tp_rank, config.tensor_model_parallel_size)
+                own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+                results[layout] = {"keys": sorted(own), "expected_keys": sorted(shard),
+                                   "differ": [k for k in own
+                                              if k in shard and not torch.equal(own[k], shard[k].to(own[k].dtype))]}
 
 
 @pytest.fixture(scope="module")
 def ranks(tiny_hf, tmp_path_factory):
     from mm_adaptor.convert.hf_to_mcore import convert
-    from mm_adaptor.ranks.launcher import launch
+    from gloo_rank import run_two_ranks
 
     hf, saved = tiny_hf
     workdir = tmp_path_factory.mktemp("convert_parallel")
     convert(hf, workdir / "mc", tp=2, llm=[[1, 3]], vit=[[2, 0]])
-    torch.save({"hf": saved, "config": json.loads((hf / "config.json").read_text())}, workdir / "case.pt")
-    launch(_rank_main, (str(workdir),), nproc=2, timeout=300)
-    return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return run_two_ranks(_rank_main, workdir, {"hf": saved, "config": json.loads((hf / "config.json").read_text())})
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

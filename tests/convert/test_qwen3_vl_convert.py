@@ -214,50 +214,35 @@ PARALLEL = {"moe_ep2": ("moe", dict(expert_model_parallel_size=2)),
 
 
 def _rank_main(workdir):
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing, tensor_parallel
-    from megatron.core import parallel_state as ps
+    from megatron.core import dist_checkpointing
 
-    from mm_adaptor import devices
+    from gloo_rank import model_parallel, rank_of_two
     from mm_adaptor.models.qwen3_vl import config_from_hf, model_provider
     from qwen3_reference import local_shard
 
-    devices.install("cpu")
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    case = torch.load(os.path.join(workdir, "case.pt"), weights_only=False)
-    results = {}
-    for layout, (model, fields) in PARALLEL.items():
-        config = config_from_hf(case["config", model], **fields)
-        ps.initialize_model_parallel(config.tensor_model_parallel_size, 1,
-                                     expert_model_parallel_size=config.expert_model_parallel_size)
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-        ours = model_provider(config)
-        metadata = {"singleton_local_shards": False}
-        request = ours.sharded_state_dict(prefix="", metadata=metadata)
-        # the model's sharded_state_dict takes its nn.ModuleList of DeepStack mergers as replicated over TP (at TP2
-        # each rank's half of fc1 claims to be the whole, 128 of 256 rows): each merger's own is right
-        for k, merger in enumerate(getattr(ours, "deepstack_projections", [])):
-            request.update(merger.sharded_state_dict(prefix=f"deepstack_projections.{k}.", metadata=metadata))
-        loaded = dist_checkpointing.load({"model": request}, os.path.join(workdir, model, "iter_0000000"))["model"]
-        ours.load_state_dict(loaded, strict=True)
-        own = {k: v for k, v in ours.state_dict().items() if not k.endswith("_extra_state")}
-        shard = local_shard(ours, case["whole", model])
-        experts = getattr(ours.language_model.decoder.layers[0].mlp, "experts", None)
-        results[layout] = {"keys": sorted(own), "expected_keys": sorted(shard),
-                           "differ": [k for k in own if k in shard and not torch.equal(own[k], shard[k])],
-                           "local_experts": len(experts.local_experts) if experts is not None else 0}
-        ps.destroy_model_parallel()
-    torch.save(results, os.path.join(workdir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    with rank_of_two(workdir) as (case, results):
+        for layout, (model, fields) in PARALLEL.items():
+            config = config_from_hf(case["config", model], **fields)
+            with model_parallel(config.tensor_model_parallel_size,
+                                expert_model_parallel_size=config.expert_model_parallel_size):
+                ours = model_provider(config)
+                request = ours.sharded_state_dict(prefix="", metadata={"singleton_local_shards": False})
+                loaded = dist_checkpointing.load({"model": request}, os.path.join(workdir, model, "iter_0000000"))
+                ours.load_state_dict(loaded["model"], strict=True)
+                own = {k: v for k, v in ours.state_dict().items() if not k.endswith("_extra_state")}
+                shard = local_shard(ours, case["whole", model])
+                experts = getattr(ours.language_model.decoder.layers[0].mlp, "experts", None)
+                results[layout] = {"keys": sorted(own), "expected_keys": sorted(shard),
+                                   "differ": [k for k in own if k in shard and not torch.equal(own[k], shard[k])],
+                                   "local_experts": len(experts.local_experts) if experts is not None else 0}
 
 
 @pytest.fixture(scope="module")
 def parallel_runs(saved, tmp_path_factory):
     from mm_adaptor.convert import hf_to_mcore_tensors
     from mm_adaptor.convert.families import family_for
+    from gloo_rank import run_two_ranks
     from mm_adaptor.convert.hf_to_mcore import convert
-    from mm_adaptor.ranks.launcher import launch
 
     workdir = tmp_path_factory.mktemp("qwen3_vl_parallel_load")
     case = {}
@@ -265,9 +250,7 @@ def parallel_runs(saved, tmp_path_factory):
         convert(path, workdir / model, tp=2, ep=2 if model == "moe" else 1)
         case["config", model] = json.loads((path / "config.json").read_text())
         case["whole", model] = hf_to_mcore_tensors(family_for(case["config", model]), tensors)
-    torch.save(case, workdir / "case.pt")
-    launch(_rank_main, (str(workdir),), nproc=2, timeout=300)
-    return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return run_two_ranks(_rank_main, workdir, case)
 
 
 @pytest.mark.distributed

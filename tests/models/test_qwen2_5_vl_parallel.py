@@ -6,13 +6,13 @@ bf16 at TP2+SP against HF fp32: 7.7e-3 .. 1.04e-2, HF's own bf16 7.2e-3 .. 8.8e-
 TP1 (BF16_TOLERANCE and 1.5x HF's own bf16 error)."""
 
 import dataclasses
-import os
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
+from gloo_rank import model_parallel, rank_of_two, run_two_ranks  # noqa: E402
 from hf_reference import hf_inputs, hf_model, load_hf_weights  # noqa: E402
 from test_qwen2_5_vl_logits import BF16_TOLERANCE, CONFIG, FP32_TOLERANCE, prompts, relative_error  # noqa: E402
 
@@ -72,46 +72,35 @@ def _schedule_step(model, ids, positions, pixels, grid):
 
 
 def _rank_main(workdir):
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
     from megatron.core.transformer.module import Float16Module
 
-    from mm_adaptor import devices
     from mm_adaptor.models.qwen2_5_vl import model_provider
 
-    devices.install("cpu")
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    case = torch.load(os.path.join(workdir, "case.pt"), weights_only=False)
-    results = {}
-    for layout, fields in LAYOUTS.items():
-        config = dataclasses.replace(CONFIG, **fields)
-        ps.initialize_model_parallel(config.tensor_model_parallel_size, config.pipeline_model_parallel_size)
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-        model = model_provider(config, pre_process=ps.is_pipeline_first_stage(),
-                               post_process=ps.is_pipeline_last_stage()).eval()
-        load_hf_weights(model, case["hf_state"], config, ps.get_tensor_model_parallel_rank(),
-                        config.tensor_model_parallel_size)
-        results[layout, "modules"] = sorted({key.split(".")[0] for key in model.state_dict()})
-        results[layout, "layers"] = [layer.layer_number for layer in model.language_model.decoder.layers]
-        results[layout, "qkv_rows"] = model.language_model.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]
-        if config.params_dtype == "bfloat16":
-            model = Float16Module(model.config, model)
-        with torch.no_grad():
-            for name, inputs in case["prompts"].items():
-                results[layout, name] = _stage_forward(model, config, *inputs)
-        if layout in SCHEDULED:
-            results[layout, "step"] = _schedule_step(model, *case["prompts"]["two_images"])
-            results[layout, "tp_rank"] = ps.get_tensor_model_parallel_rank()
-        ps.destroy_model_parallel()
-    torch.save(results, os.path.join(workdir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    with rank_of_two(workdir) as (case, results):
+        for layout, fields in LAYOUTS.items():
+            config = dataclasses.replace(CONFIG, **fields)
+            with model_parallel(config.tensor_model_parallel_size, config.pipeline_model_parallel_size):
+                model = model_provider(config, pre_process=ps.is_pipeline_first_stage(),
+                                       post_process=ps.is_pipeline_last_stage()).eval()
+                load_hf_weights(model, case["hf_state"], config, ps.get_tensor_model_parallel_rank(),
+                                config.tensor_model_parallel_size)
+                results[layout, "modules"] = sorted({key.split(".")[0] for key in model.state_dict()})
+                results[layout, "layers"] = [layer.layer_number for layer in model.language_model.decoder.layers]
+                results[layout, "qkv_rows"] = (
+                    model.language_model.decoder.layers[0].self_attention.linear_qkv.weight.shape[0])
+                if config.params_dtype == "bfloat16":
+                    model = Float16Module(model.config, model)
+                with torch.no_grad():
+                    for name, inputs in case["prompts"].items():
+                        results[layout, name] = _stage_forward(model, config, *inputs)
+                if layout in SCHEDULED:
+                    results[layout, "step"] = _schedule_step(model, *case["prompts"]["two_images"])
+                    results[layout, "tp_rank"] = ps.get_tensor_model_parallel_rank()
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from mm_adaptor.ranks.launcher import launch
     from mm_adaptor.models.qwen2_5_vl import rope_index_for
 
     workdir = tmp_path_factory.mktemp("qwen2_5_vl")
@@ -129,9 +118,7 @@ def runs(tmp_path_factory):
     expected["loss"].backward()
     expected["patch_grad"] = reference.model.visual.patch_embed.proj.weight.grad.flatten(1)
     expected["output_grad"] = reference.lm_head.weight.grad
-    torch.save({"hf_state": reference.state_dict(), "prompts": cases}, workdir / "case.pt")
-    launch(_rank_main, (str(workdir),), nproc=2, timeout=300)
-    ranks = [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = run_two_ranks(_rank_main, workdir, {"hf_state": reference.state_dict(), "prompts": cases})
     return ranks, expected
 
 

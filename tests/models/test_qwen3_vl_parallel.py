@@ -9,13 +9,13 @@ One training step through megatron's schedule (dense TP2+SP and PP2): loss 0 .. 
 embedding, a DeepStack merger and the output layer 1.0e-7 .. 5.7e-7 (tolerance 10 x FP32_TOLERANCE)."""
 
 import dataclasses
-import os
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
+from gloo_rank import model_parallel, rank_of_two, run_two_ranks  # noqa: E402
 from qwen3_reference import (  # noqa: E402
     TRANSFORMERS_5, hf_logits, hf_model, hf_positions, load_hf_weights, token_types,
 )
@@ -84,48 +84,35 @@ def _schedule_step(model, ids, positions, pixels, grid, video_pixels, video_grid
 
 
 def _rank_main(workdir):
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
 
-    from mm_adaptor import devices
     from mm_adaptor.models.qwen3_vl import model_provider
 
-    devices.install("cpu")
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    case = torch.load(os.path.join(workdir, "case.pt"), weights_only=False)
-    results = {}
-    for layout, (family, fields) in LAYOUTS.items():
-        config = dataclasses.replace(FAMILIES[family], **fields)
-        ps.initialize_model_parallel(config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
-                                     expert_model_parallel_size=config.expert_model_parallel_size,
-                                     expert_tensor_parallel_size=config.expert_tensor_parallel_size)
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-        model = model_provider(config, pre_process=ps.is_pipeline_first_stage(),
-                               post_process=ps.is_pipeline_last_stage()).eval()
-        load_hf_weights(model, case["hf_state", family], config)
-        results[layout, "modules"] = sorted({key.split(".")[0] for key in model.state_dict()})
-        results[layout, "layers"] = [layer.layer_number for layer in model.language_model.decoder.layers]
-        experts = getattr(model.language_model.decoder.layers[0].mlp, "experts", None)
-        if experts is not None:
-            results[layout, "experts"] = (len(experts.local_experts),
-                                          experts.local_experts[0].linear_fc1.weight.shape[0])
-        with torch.no_grad():
-            for name in PROMPTS:
-                results[layout, name] = _stage_forward(model, config, *case["prompts", family, name])
-        if layout in SCHEDULED:
-            results[layout, "step"] = _schedule_step(model, *case["prompts", family, "image_and_video"])
-            results[layout, "tp_rank"] = ps.get_tensor_model_parallel_rank()
-        ps.destroy_model_parallel()
-    torch.save(results, os.path.join(workdir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    with rank_of_two(workdir) as (case, results):
+        for layout, (family, fields) in LAYOUTS.items():
+            config = dataclasses.replace(FAMILIES[family], **fields)
+            with model_parallel(config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
+                                expert_model_parallel_size=config.expert_model_parallel_size,
+                                expert_tensor_parallel_size=config.expert_tensor_parallel_size):
+                model = model_provider(config, pre_process=ps.is_pipeline_first_stage(),
+                                       post_process=ps.is_pipeline_last_stage()).eval()
+                load_hf_weights(model, case["hf_state", family], config)
+                results[layout, "modules"] = sorted({key.split(".")[0] for key in model.state_dict()})
+                results[layout, "layers"] = [layer.layer_number for layer in model.language_model.decoder.layers]
+                experts = getattr(model.language_model.decoder.layers[0].mlp, "experts", None)
+                if experts is not None:
+                    results[layout, "experts"] = (len(experts.local_experts),
+                                                  experts.local_experts[0].linear_fc1.weight.shape[0])
+                with torch.no_grad():
+                    for name in PROMPTS:
+                        results[layout, name] = _stage_forward(model, config, *case["prompts", family, name])
+                if layout in SCHEDULED:
+                    results[layout, "step"] = _schedule_step(model, *case["prompts", family, "image_and_video"])
+                    results[layout, "tp_rank"] = ps.get_tensor_model_parallel_rank()
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from mm_adaptor.ranks.launcher import launch
-
     workdir = tmp_path_factory.mktemp("qwen3_vl")
     case, expected = {}, {}
     for family, config in FAMILIES.items():
@@ -147,10 +134,7 @@ def runs(tmp_path_factory):
     expected["patch_grad"] = reference.model.visual.patch_embed.proj.weight.grad.flatten(1)
     expected["deepstack_grad"] = reference.model.visual.deepstack_merger_list[0].linear_fc1.weight.grad
     expected["output_grad"] = reference.lm_head.weight.grad
-    torch.save(case, workdir / "case.pt")
-    launch(_rank_main, (str(workdir),), nproc=2, timeout=300)
-    ranks = [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    return ranks, expected
+    return run_two_ranks(_rank_main, workdir, case), expected
 
 
 @pytest.mark.parametrize("name", PROMPTS)
