@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _convert_common import equal_dirs, measure, write_random_checkpoint
 
 VISION = {"depth": 32, "hidden_size": 1280, "hidden_act": "silu", "intermediate_size": 3420, "num_heads": 16,
           "in_chans": 3, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
@@ -28,22 +29,10 @@ CONFIG_3B = {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditi
              "max_position_embeddings": 128000, "hidden_act": "silu",
              "torch_dtype": "bfloat16", "vision_config": VISION}
 
-MEASURE = """import resource, sys, time
-from mm_adaptor.cli import main
-start = time.time()
-rc = main(sys.argv[1:])
-# VmHWM, not ru_maxrss: ru_maxrss keeps the benchmark parent's peak across fork and exec
-hwm_kb = [line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM")][0]
-print("MEASURE", rc, time.time() - start, hwm_kb, flush=True)
-sys.exit(rc)
-"""
-
-
-def write_random_checkpoint(path: Path, config: dict, shard_bytes: int) -> list[int]:
-    """The HF names and shapes of the config (from transformers on the meta device), random bf16, one shard in
-    memory at a time; returns the shards' sizes."""
+def shapes_of(config: dict) -> dict:
+    """The HF names and shapes of the config as 4.x-era checkpoints name them (from transformers on the meta
+    device)."""
     import torch
-    from safetensors.torch import save_file
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     with torch.device("meta"):
@@ -56,60 +45,7 @@ def write_random_checkpoint(path: Path, config: dict, shard_bytes: int) -> list[
         for new, old in names.items():
             name = name.replace(new, old) if name.startswith(new) else name
         shapes[name] = tuple(tensor.shape)
-    groups, size = [[]], 0
-    for name, shape in shapes.items():
-        nbytes = 2 * torch.Size(shape).numel()
-        if groups[-1] and size + nbytes > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
-    path.mkdir(parents=True)
-    generator = torch.Generator().manual_seed(0)
-    weight_map, sizes = {}, []
-    for k, group in enumerate(groups, 1):
-        file = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {name: (torch.randn(shapes[name], generator=generator) * 0.02).to(torch.bfloat16) for name in group}
-        save_file(tensors, str(path / file), metadata={"format": "pt"})
-        sizes.append(sum(t.numel() * 2 for t in tensors.values()))
-        weight_map.update({name: file for name in group})
-        del tensors
-    (path / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=2))
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return sizes
-
-
-def measure(argv: list[str]) -> dict:
-    """Runs one conversion in a process of its own: its seconds and peak RSS (VmHWM). The dist-checkpoint
-    writers megatron forks share the converter's pages copy-on-write and are not counted again."""
-    process = subprocess.Popen([sys.executable, "-c", MEASURE, *argv], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    stdout, stderr = process.communicate()
-    line = [ln for ln in stdout.splitlines() if ln.startswith("MEASURE")]
-    if process.returncode or not line:
-        sys.exit(f"{' '.join(argv[:2])} failed: {stderr[-2000:]}")
-    _, rc, seconds, hwm_kb = line[0].split()
-    return {"seconds": float(seconds), "peak_rss_gb": int(hwm_kb) * 1024 / 1e9,
-            "progress_lines": sum("convert: shard" in ln for ln in stderr.splitlines())}
-
-
-def equal_dirs(a: Path, b: Path) -> int:
-    """Compares every tensor of two HF directories, one tensor at a time; returns how many."""
-    import torch
-    from safetensors import safe_open
-
-    def where(path):
-        return json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-
-    wa, wb = where(a), where(b)
-    if sorted(wa) != sorted(wb):
-        sys.exit(f"names differ: {sorted(set(wa) ^ set(wb))[:5]}")
-    for name in wa:
-        with safe_open(str(a / wa[name]), "pt") as fa, safe_open(str(b / wb[name]), "pt") as fb:
-            if not torch.equal(fa.get_tensor(name), fb.get_tensor(name)):
-                sys.exit(f"{name} differs after the round trip")
-    return len(wa)
+    return shapes
 
 
 def main() -> int:
@@ -126,7 +62,7 @@ def main() -> int:
         sys.exit(f"{free / 1e9:.0f} GB free under {args.work}: too little for three copies; pass --llm-layers")
     hf, mc, back = args.work / "hf", args.work / "mc", args.work / "back"
     start = time.time()
-    sizes = write_random_checkpoint(hf, config, int(args.shard_gb * 1e9))
+    sizes = write_random_checkpoint(hf, config, shapes_of(config), int(args.shard_gb * 1e9))
     print(f"wrote {len(sizes)} shards, {sum(sizes) / 1e9:.2f} GB (largest {max(sizes) / 1e9:.2f} GB) "
           f"in {time.time() - start:.0f} s", flush=True)
     half = args.llm_layers // 2
