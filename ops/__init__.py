@@ -1,7 +1,7 @@
 """Native ops: PyTorch custom operators in the `mm_adaptor` namespace, dispatched by the tensor's device.
 
 Each op has one module (rms_norm.py, swiglu.py, rotary_pos_emb.py, matmul_add.py, grouped_matmul.py,
-host_mapped.py, fp32_words.py) holding
+host_mapped.py, fp32_words.py, varlen_attention.py) holding
 its schemas, fake implementations, autograd formula, plain-PyTorch reference and the kernel that serves each
 device: native CPU (C++) and CUDA (.cu) kernels, torch_npu on the NPU; `library` registers them. Kernels are
 built just in time on first use (or ahead of time with `mm-adaptor build-ops`); where no build is possible
@@ -19,12 +19,14 @@ from mm_adaptor.ops.matmul_add import matmul_add_fp32
 from mm_adaptor.ops.rms_norm import rms_norm
 from mm_adaptor.ops.rotary_pos_emb import rotary_pos_emb
 from mm_adaptor.ops.swiglu import swiglu
+from mm_adaptor.ops.varlen_attention import varlen_attention, varlen_attention_with_lse
 
 __all__ = ["rms_norm", "swiglu", "rotary_pos_emb", "matmul_add_fp32", "grouped_matmul", "flash_attention",
-           "host_mapped_copy", "split_fp32_words", "join_fp32_words", "status", "build"]
+           "host_mapped_copy", "split_fp32_words", "join_fp32_words", "varlen_attention", "varlen_attention_with_lse",
+           "status", "build"]
 
 OP_NAMES = ("rms_norm", "swiglu", "rotary_pos_emb", "matmul_add_fp32", "grouped_matmul", "flash_attention",
-            "host_mapped_copy", "split_fp32_words", "join_fp32_words")
+            "host_mapped_copy", "split_fp32_words", "join_fp32_words", "varlen_attention")
 
 
 def build(device: str = "cpu", verbose: bool = True):

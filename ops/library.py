@@ -23,7 +23,8 @@ class OpSpec:
 
     native: the devices whose native library (csrc/<device>/, csrc/common/) has a kernel for it; elsewhere, and
     where the native build is impossible, the reference runs. npu: the torch_npu implementation, None for the
-    reference. backward and setup_context: its autograd formula, for ops that have one.
+    reference. cuda: a Python implementation for CUDA (torch's own fused kernels) where csrc/cuda has none.
+    backward and setup_context: its autograd formula, for ops that have one.
     """
 
     name: str
@@ -34,6 +35,11 @@ class OpSpec:
     npu: Callable | None = None
     backward: Callable | None = None
     setup_context: Callable | None = None
+    cuda: Callable | None = None
+
+    def fallback(self, device_type: str) -> Callable:
+        """What serves `device_type` without a native kernel."""
+        return self.cuda if device_type == "cuda" and self.cuda is not None else self.reference
 
 
 SPECS: dict[str, OpSpec] = {}
@@ -100,11 +106,11 @@ def _load(device_type: str) -> dict:
     try:
         result = builder.build(device_type)
     except builder.BuildUnavailable as exc:
-        _impl(key, {spec.name: spec.reference for spec in SPECS.values()})
+        _impl(key, {spec.name: spec.fallback(device_type) for spec in SPECS.values()})
         warnings.warn(f"mm_adaptor native ops for {device_type}: {exc}; the plain-PyTorch references run instead "
                       "(correct, slower)", RuntimeWarning, stacklevel=3)
         return {"native": False, "why": str(exc)}
-    _impl(key, {spec.name: spec.reference for spec in SPECS.values() if device_type not in spec.native})
+    _impl(key, {spec.name: spec.fallback(device_type) for spec in SPECS.values() if device_type not in spec.native})
     return {"native": True, "why": f"native {device_type} kernels from {result.library}", "result": result}
 
 

@@ -194,6 +194,9 @@ def _words_with_exceptions():
     return main, main.to(torch.bfloat16)
 
 
+# cu_seqlens_q, cu_seqlens_k (3 segments, one query of fewer than its keys), max lengths, causal, scale, window
+_VARLEN_ARGS = (torch.tensor([0, 3, 4, 8], dtype=torch.int32), torch.tensor([0, 2, 5, 9], dtype=torch.int32), 4, 4,
+                True, 0.5, 2, -1)
 OPCHECK_CASES = [
     ("rms_norm_fwd", lambda: (torch.randn(3, 8, requires_grad=True), torch.randn(8, requires_grad=True), 1e-5)),
     ("rms_norm_bwd", lambda: (torch.randn(3, 8), torch.randn(3, 8), torch.randn(8), torch.rand(3) + 0.5)),
@@ -211,6 +214,12 @@ OPCHECK_CASES = [
     ("split_fp32_words", lambda: (*_words_with_exceptions(), 4)),
     ("join_fp32_words", lambda: (lambda main, model: (model, *ops.split_fp32_words(main, model),
                                                       torch.empty_like(main)))(*_words_with_exceptions())),
+    ("varlen_attention_fwd", lambda: (torch.randn(8, 4, 8, requires_grad=True),
+                                      torch.randn(9, 2, 8, requires_grad=True),
+                                      torch.randn(9, 2, 8, requires_grad=True), *_VARLEN_ARGS)),
+    ("varlen_attention_bwd", lambda: (torch.randn(8, 4, 8), torch.randn(4, 8), torch.randn(8, 4, 8),
+                                      torch.randn(9, 2, 8), torch.randn(9, 2, 8), torch.randn(8, 4, 8),
+                                      torch.randn(4, 8), *_VARLEN_ARGS)),
 ]
 
 

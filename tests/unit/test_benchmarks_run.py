@@ -214,3 +214,17 @@ def test_vpp_extra_warmup_benchmark_prints_both_schedules():
     # 4 micro-batches x 2 chunks: megatron's first stage warms up with 4, holds 5; with one extra 6 (observed too)
     assert rows[0][5] == "5 and 6 / 6", stdout
     assert "measured with: host clock" in stdout, "the CPU backend's chunk times are host-side and must say so"
+
+
+def test_vision_encoder_memory_benchmark_measures_both_paths(monkeypatch):
+    """In process at a small image: the dense-mask tower saves more than the varlen one, and the ratio is theirs."""
+    from gloo_rank import one_gloo_rank
+    from megatron.core import tensor_parallel
+
+    bench = load_benchmark("vision_encoder_memory", monkeypatch)
+    with one_gloo_rank():
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        dense, varlen = bench.measure("qwen2_5_vl", "tiny", 112, 2)
+    assert (dense["attention"], varlen["attention"]) == ("dense", "varlen") and dense["patches"] == 64
+    assert dense["bytes"] > varlen["bytes"] > 0
+    assert dense["dense / varlen"] == pytest.approx(dense["bytes"] / varlen["bytes"])

@@ -6,6 +6,11 @@ neighbours (row-major over blocks, then within a block). The tower reorders thos
 (windows of window_size pixels, i.e. window_size / patch / merge blocks a side); layers listed in
 fullatt_block_indexes attend within each frame of each image, the others within each window. The caller undoes the
 order after the merger (window_layout's order).
+
+Attention within frames and windows runs on the variable-length attention op (mm_adaptor.ops.varlen_attention):
+the layers get the segments as cumulative lengths, never an [n, n] mask, so the tower's activation memory grows
+linearly with the patches. attention="dense" builds the former block-diagonal masks and megatron's
+DotProductAttention instead: the reference the tests and benchmarks/vision_encoder_memory.py compare with.
 """
 
 from __future__ import annotations
@@ -23,13 +28,15 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 
-from mm_adaptor.models.qwen2_5_vl.config import Qwen25VLConfig
 from mm_adaptor.models.megatron_config import dtype as _dtype
+from mm_adaptor.models.qwen2_5_vl.config import Qwen25VLConfig
+from mm_adaptor.ops.varlen_attention import varlen_attention
 
 
 class VisionTransformerLayer(TransformerLayer):
-    """A TransformerLayer handed the whole-frame and windowed masks stacked ([2, 1, 1, n, n]: one tensor, so that
-    activation recompute can save it); uses the one its index asks for."""
+    """A TransformerLayer handed the whole-frame and windowed segments stacked (cumulative lengths [2, L], or the
+    dense masks [2, 1, 1, n, n]: one tensor, so that activation recompute can save it); uses the one its index asks
+    for."""
 
     def __init__(self, *args, full_attention_layers=(), **kwargs):
         super().__init__(*args, **kwargs)
@@ -40,15 +47,87 @@ class VisionTransformerLayer(TransformerLayer):
         return super().forward(*args, attention_mask=mask, **kwargs)
 
 
-def vision_layer_spec(config: Qwen25VLConfig):
-    """The local GPT layer spec (RMSNorm, fused qkv, SwiGLU) made bidirectional, with per-layer mask choice."""
+ATTENTION = ("varlen", "dense")
+
+
+class VarlenCoreAttention(MegatronModule):
+    """Core attention of the vision layers: bidirectional attention within segments, on the varlen op. The layer's
+    attention_mask slot carries the segments as cumulative lengths (an int32 CPU tensor from 0 to the patch count,
+    possibly ending in repeats), so no device value is read; no [n, n] tensor is built, forward or backward."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, **unused):
+        super().__init__(config=config)
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"the vision tower's varlen attention takes no attention dropout (got {dropout})")
+        self.softmax_scale = config.kv_channels ** -0.5 if softmax_scale is None else softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **unused):
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("the vision tower's varlen attention takes no attention bias or packed_seq_params")
+        cu_seqlens = segment_lengths(attention_mask)
+        longest = int(cu_seqlens.diff().max())
+        cu_seqlens = cu_seqlens.to(query.device, non_blocking=True)
+        s, b, heads, dim = query.shape
+        if b != 1:
+            raise ValueError(f"the vision tower's varlen attention takes one sequence of patches, got batch {b}")
+        out = varlen_attention(query.view(s, heads, dim), key.view(s, key.shape[2], dim),
+                               value.view(s, value.shape[2], value.shape[3]), cu_seqlens, cu_seqlens, longest,
+                               longest, causal=False, softmax_scale=self.softmax_scale)
+        return out.view(s, b, -1)
+
+
+def segment_lengths(cumulative: torch.Tensor) -> torch.Tensor:
+    """Cumulative lengths without the repeats that pad the shorter of stacked rows (int32, on the CPU)."""
+    if cumulative.dtype != torch.int32 or cumulative.dim() != 1 or cumulative.device.type != "cpu":
+        raise ValueError(f"the vision tower's varlen attention takes int32 cumulative lengths on the CPU, got "
+                         f"{cumulative.dtype} {tuple(cumulative.shape)} on {cumulative.device}")
+    return cumulative[:int(cumulative.argmax()) + 1]
+
+
+def stacked_segments(*segment_ids: torch.Tensor, unit: int = 1) -> torch.Tensor:
+    """One int32 CPU tensor [len(segment_ids), L]: per row, the cumulative lengths of the runs of equal ids (each id
+    standing for `unit` patches), the shorter rows padded with their total."""
+    rows = []
+    for ids in segment_ids:
+        counts = torch.unique_consecutive(ids.cpu(), return_counts=True)[1] * unit
+        rows.append(torch.cat([counts.new_zeros(1), counts.cumsum(0)]))
+    width = max(len(r) for r in rows)
+    return torch.stack([torch.cat([r, r[-1:].expand(width - len(r))]) for r in rows]).to(torch.int32)
+
+
+def dense_masks(segments: torch.Tensor, device=None) -> torch.Tensor:
+    """The former masks from stacked cumulative lengths: [rows, 1, 1, n, n], True where two patches lie in
+    different segments."""
+    masks = []
+    for row in segments:
+        row = segment_lengths(row)
+        ids = torch.arange(len(row) - 1).repeat_interleave(row.diff().long()).to(device)
+        masks.append(_block_diagonal_mask(ids))
+    return torch.stack(masks)
+
+
+def vision_layer_spec(config: Qwen25VLConfig, attention: str = "varlen"):
+    """The local GPT layer spec (RMSNorm, fused qkv, SwiGLU) made bidirectional, with per-layer segment choice; its
+    core attention on the varlen op (or, attention="dense", megatron's on dense masks)."""
     refuse_unbuilt_impl(config)
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
     spec.module = VisionTransformerLayer
     spec.params = {**spec.params, "full_attention_layers": tuple(config.fullatt_block_indexes)}
+    bidirectional(spec, attention)
+    return spec
+
+
+def bidirectional(spec, attention: str) -> None:
+    """Padding-type attention (no causal mask), its core on the varlen op unless attention="dense"."""
+    if attention not in ATTENTION:
+        raise ValueError(f"the vision tower's attention must be one of {ATTENTION}, got {attention!r}")
     spec.submodules.self_attention.params = {**spec.submodules.self_attention.params,
                                              "attn_mask_type": AttnMaskType.padding}
-    return spec
+    if attention == "varlen":
+        spec.submodules.self_attention.submodules.core_attention = VarlenCoreAttention
 
 
 def refuse_unbuilt_impl(config: Qwen25VLConfig) -> None:
@@ -117,12 +196,13 @@ class VisionModel(MegatronModule):
     """Patch embedding + vision TransformerBlock (no final norm). forward -> ([patches, 1, hidden] in window
     order, the window order of merged blocks)."""
 
-    def __init__(self, config: Qwen25VLConfig, transformer_config):
+    def __init__(self, config: Qwen25VLConfig, transformer_config, attention: str = "varlen"):
         super().__init__(config=transformer_config)
         self.model_config = config
+        self.attention = attention
         self.patch_embed = PatchEmbed(config)
-        self.decoder = TransformerBlock(transformer_config, vision_layer_spec(config), post_layer_norm=False,
-                                        pre_process=True, post_process=True)
+        self.decoder = TransformerBlock(transformer_config, vision_layer_spec(config, attention),
+                                        post_layer_norm=False, pre_process=True, post_process=True)
 
     def set_input_tensor(self, input_tensor) -> None:
         self.decoder.set_input_tensor(input_tensor)
@@ -144,9 +224,10 @@ class VisionModel(MegatronModule):
         freqs = freqs.view(patches // unit, unit, -1)[order.to(freqs.device)].view(patches, -1)
         rotary = torch.cat([freqs, freqs], dim=-1)[:, None, None, :].to(hidden.device)
 
-        masks = torch.stack([_block_diagonal_mask(seg.repeat_interleave(unit).to(hidden.device))
-                             for seg in (frames, windows)])
-        hidden = self.decoder(hidden_states=hidden, attention_mask=masks, rotary_pos_emb=rotary)
+        segments = stacked_segments(frames, windows, unit=unit)  # frames and windows are runs in window order
+        if self.attention == "dense":
+            segments = dense_masks(segments, hidden.device)
+        hidden = self.decoder(hidden_states=hidden, attention_mask=segments, rotary_pos_emb=rotary)
         return hidden, order
 
 

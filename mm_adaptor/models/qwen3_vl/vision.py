@@ -3,7 +3,11 @@ bilinearly interpolated to each image, megatron TransformerLayers (LayerNorm, fu
 attending within each frame, and the patch mergers: the final one and one per DeepStack layer.
 
 Patches arrive as the image processor flattens them: per image, frame by frame, in blocks of merge x merge
-neighbours (row-major over blocks, then within a block). The tower keeps that order throughout."""
+neighbours (row-major over blocks, then within a block). The tower keeps that order throughout.
+
+Attention within frames runs on the variable-length attention op, the frames given as cumulative lengths (no
+[n, n] mask); attention="dense" builds the former block-diagonal mask for megatron's DotProductAttention instead,
+the reference for tests and benchmarks/vision_encoder_memory.py."""
 
 from __future__ import annotations
 
@@ -13,15 +17,15 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlock
 from torch import nn
 
-from mm_adaptor.models.qwen3_vl.config import Qwen3VLConfig
 from mm_adaptor.models.megatron_config import dtype as _dtype
+from mm_adaptor.models.qwen2_5_vl.vision import bidirectional, dense_masks, stacked_segments
+from mm_adaptor.models.qwen3_vl.config import Qwen3VLConfig
 
 
 def refuse_unbuilt_impl(config: Qwen3VLConfig) -> None:
@@ -33,11 +37,11 @@ def refuse_unbuilt_impl(config: Qwen3VLConfig) -> None:
     raise NotImplementedError("Qwen3-VL on the Transformer Engine spec is not built yet; use transformer_impl='local'")
 
 
-def vision_layer_spec():
-    """The local GPT layer spec (LayerNorm, fused qkv, plain MLP as the config says) made bidirectional."""
+def vision_layer_spec(attention: str = "varlen"):
+    """The local GPT layer spec (LayerNorm, fused qkv, plain MLP as the config says) made bidirectional, its core
+    attention on the varlen op (or, attention="dense", megatron's on a dense mask)."""
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="LayerNorm"))
-    spec.submodules.self_attention.params = {**spec.submodules.self_attention.params,
-                                             "attn_mask_type": AttnMaskType.padding}
+    bidirectional(spec, attention)
     return spec
 
 
@@ -77,11 +81,6 @@ def _merge_blocks(x: torch.Tensor, merge: int) -> torch.Tensor:
     return x.reshape(*lead, h // merge, merge, w // merge, merge).transpose(-3, -2).reshape(*lead, h * w)
 
 
-def block_diagonal_mask(segments: torch.Tensor) -> torch.Tensor:
-    """[1, 1, n, n], True where attention is not allowed (different segments)."""
-    return (segments[:, None] != segments[None, :])[None, None]
-
-
 class PatchEmbed(nn.Module):
     """HF's Conv3d (with bias) with kernel = stride = (temporal, patch, patch) is this linear map of a flattened
     patch."""
@@ -100,15 +99,16 @@ class VisionModel(MegatronModule):
     the last layer, [(DeepStack merger index, the same after that layer)] in layer order, as transformers feeds
     them to the language layers)."""
 
-    def __init__(self, config: Qwen3VLConfig, transformer_config):
+    def __init__(self, config: Qwen3VLConfig, transformer_config, attention: str = "varlen"):
         super().__init__(config=transformer_config)
         self.model_config = config
+        self.attention = attention
         self.patch_embed = PatchEmbed(config)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.vision_hidden_size,
                                       dtype=_dtype(config.params_dtype))
         self.grid_side = int(config.num_position_embeddings**0.5)
         # built as a block for its layers; forward runs them itself (the DeepStack layers' outputs are needed)
-        self.decoder = TransformerBlock(transformer_config, vision_layer_spec(), post_layer_norm=False,
+        self.decoder = TransformerBlock(transformer_config, vision_layer_spec(attention), post_layer_norm=False,
                                         pre_process=True, post_process=True)
 
     def set_input_tensor(self, input_tensor) -> None:
@@ -131,7 +131,8 @@ class VisionModel(MegatronModule):
             torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
         freqs = torch.cat([torch.outer(rows.float(), inv_freq), torch.outer(cols.float(), inv_freq)], -1)
         rotary = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
-        mask = block_diagonal_mask(frames)
+        mask = stacked_segments(frames)  # [1, L]: attention within each frame
+        mask = dense_masks(mask, device)[0] if self.attention == "dense" else mask[0]
 
         recompute = self.config.recompute_granularity == "full" and self.training
         deepstack = []

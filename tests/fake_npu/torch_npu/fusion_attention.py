@@ -4,14 +4,23 @@ float32 over the whole score matrix. NOT Ascend's FlashAttentionScore kernel: no
 
 Source (read for the facts, nothing copied): Ascend/op-plugin at commit 517f2e7d (2026-08-21):
 op_plugin/config/op_plugin_functions.yaml and derivatives.yaml, docs/zh/custom_APIs/torch_npu/
-torch_npu-npu_fusion_attention.md. Implemented: layouts BSH, SBH, BSND, BNSD (not TND), GQA (Nq a multiple of Nkv),
+torch_npu-npu_fusion_attention.md, op_plugin/ops/opapi/FlashAttentionKernelNpuOpApi.cpp. Implemented: layouts BSH,
+SBH, BSND, BNSD, and TND (varlen, below), GQA (Nq a multiple of Nkv),
 atten_mask (bool/uint8, 1 = masked out; SS, 11SS, B1SS or BNSS; on the query's device), sparse_mode 0 (with
 pre_tockens/next_tockens), 1, 2 (leftUpCausal) and 3 (rightDownCausal), scale, keep_prob (the dropout mask drawn
 from the fake npu generator through a seed, regenerated in backward). Enforced as documented, where the kernel would
 compute wrong results instead of refusing: sparse modes 2 and 3 take exactly the compressed causal mask
 triu(ones(2048, 2048), 1), never the full one; in sparse mode 0 atten_mask masks whatever pre_tockens/next_tockens
 exclude, and a negative one of those needs the other at least its size (below Skv, resp. Sq). Refused: pse,
-padding_mask, prefix, actual_seq_*len, sink, dropout_mask, sparse modes 4 to 8.
+padding_mask, prefix, sink, dropout_mask, sparse modes 4 to 8 outside TND.
+
+TND: query [T, N, D], key/value [T, Nkv, D(v)]; actual_seq_qlen/actual_seq_kvlen are required, of one size (1 to
+1024 entries), cumulative without a leading 0, ending at each T (1 to 1M) (the FAKE does not implement trailing
+zeros); sparse modes 0 without a mask, 2 and 3 (the compressed causal mask, per segment), 4 (band: keys from
+i + sk - sq - pre_tockens to i + sk - sq + next_tockens, the same compressed mask); no row may be fully masked (the
+documented "no all-1 row" rule of the varlen case); no dropout in the FAKE. softmax_max and softmax_sum are
+[T, N, 8] (what the plugin allocates for TND). Its backward takes D = rowsum(dy * attention_in), the forward output
+that derivatives.yaml hands it (result0).
 """
 
 from __future__ import annotations
@@ -37,7 +46,10 @@ SCHEMAS = {
         "int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, "
         "bool sync=False, str softmax_layout=\"\", Tensor? sink=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"),
 }
-LAYOUTS = ("BSH", "SBH", "BSND", "BNSD")
+LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
+TND_MAX_SEGMENTS = 1024
+TND_MAX_TOKENS = 1 << 20
+TND_SPARSE_MODES = (0, 2, 3, 4)
 COMPRESSED_MASK = 2048  # sparse modes 2 and 3 take this triu(ones(2048, 2048), 1) mask instead of the full one
 MASKED = -1e30
 _COMPRESSED: dict = {}
@@ -159,9 +171,13 @@ def fusion_attention(query, key, value, head_num, input_layout, pse=None, paddin
                      prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
                      sync=False, softmax_layout="", sink=None, dropout_mask=None, seed=0, offset=0):
     _count("npu_fusion_attention")
-    _refuse(pse=pse, padding_mask=padding_mask, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
-            actual_seq_kvlen=actual_seq_kvlen, sink=sink, dropout_mask=dropout_mask)
+    _refuse(pse=pse, padding_mask=padding_mask, prefix=prefix, sink=sink, dropout_mask=dropout_mask)
     _check(0 < keep_prob <= 1, f"npu_fusion_attention: keep_prob {keep_prob} outside (0, 1]")
+    if input_layout == "TND":
+        _check(keep_prob == 1, "npu_fusion_attention: the FAKE does not implement dropout in the TND layout")
+        return _tnd_forward(query, key, value, head_num, atten_mask, scale, pre_tockens, next_tockens,
+                            actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout)
+    _refuse(actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen)
     qb, kb, vb, scores, _, _ = _scores(query, key, value, head_num, input_layout, atten_mask, scale, pre_tockens,
                                        next_tockens, sparse_mode)
     row_max = scores.amax(-1, keepdim=True)
@@ -187,9 +203,13 @@ def fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=
                           actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False, softmax_layout="",
                           sink=None):
     _count("npu_fusion_attention_grad")
-    _refuse(pse=pse, padding_mask=padding_mask, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
-            actual_seq_kvlen=actual_seq_kvlen, sink=sink)
+    _refuse(pse=pse, padding_mask=padding_mask, prefix=prefix, sink=sink)
     _check(softmax_max is not None and softmax_sum is not None, "npu_fusion_attention_grad: softmax_max/sum")
+    if input_layout == "TND":
+        _check(keep_prob == 1, "npu_fusion_attention_grad: the FAKE does not implement dropout in the TND layout")
+        return _tnd_backward(query, key, value, dy, head_num, atten_mask, softmax_max, softmax_sum, attention_in,
+                             scale_value, pre_tockens, next_tockens, actual_seq_qlen, actual_seq_kvlen, sparse_mode)
+    _refuse(actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen)
     qb, kb, vb, scores, masked, n_kv = _scores(query, key, value, head_num, input_layout, atten_mask, scale_value,
                                                pre_tockens, next_tockens, sparse_mode)
     probs = torch.exp(scores - softmax_max[..., :1]) / softmax_sum[..., :1]
@@ -214,6 +234,10 @@ def fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=
 
 
 def _meta(query, key, value, head_num, input_layout, *args, **kwargs):
+    if input_layout == "TND":
+        stats = query.new_empty((query.shape[0], query.shape[1], 8), dtype=torch.float32)
+        return (query.new_empty((*query.shape[:2], value.shape[-1])), stats, stats.clone(), query.new_empty(0), 0, 0,
+                0)
     n_kv = _heads(query, key, head_num, input_layout)
     qb = _to_bnsd(query, input_layout, head_num)
     vb = _to_bnsd(value, input_layout, n_kv)
@@ -235,20 +259,139 @@ _ARGS = ("query", "key", "value", "head_num", "input_layout", "pse", "padding_ma
 
 def _setup(ctx, inputs, output):
     a = dict(zip(_ARGS, inputs))
-    ctx.save_for_backward(a["query"], a["key"], a["value"], a["atten_mask"], output[1], output[2])
+    ctx.save_for_backward(a["query"], a["key"], a["value"], a["atten_mask"], output[1], output[2], output[0])
     ctx.args = {k: v for k, v in a.items() if k not in ("query", "key", "value", "atten_mask", "dropout_mask")}
     ctx.seed, ctx.offset, ctx.numels = output[4], output[5], output[6]
 
 
 def _autograd(ctx, grad, *_unused):
-    q, k, v, atten_mask, softmax_max, softmax_sum = ctx.saved_tensors
+    q, k, v, atten_mask, softmax_max, softmax_sum, out = ctx.saved_tensors
     a = ctx.args
     dq, dk, dv, _, _ = torch.ops.npu.npu_fusion_attention_grad(
         q, k, v, grad, a["head_num"], a["input_layout"], atten_mask=atten_mask, softmax_max=softmax_max,
-        softmax_sum=softmax_sum, scale_value=a["scale"], keep_prob=a["keep_prob"], pre_tockens=a["pre_tockens"],
-        next_tockens=a["next_tockens"], inner_precise=a["inner_precise"], seed=ctx.seed, offset=ctx.offset,
-        numels=ctx.numels, sparse_mode=a["sparse_mode"])
+        softmax_sum=softmax_sum, attention_in=out, scale_value=a["scale"], keep_prob=a["keep_prob"],
+        pre_tockens=a["pre_tockens"], next_tockens=a["next_tockens"], inner_precise=a["inner_precise"], seed=ctx.seed,
+        offset=ctx.offset, numels=ctx.numels, actual_seq_qlen=a["actual_seq_qlen"],
+        actual_seq_kvlen=a["actual_seq_kvlen"], sparse_mode=a["sparse_mode"])
     return (dq, dk, dv, *([None] * (len(_ARGS) - 3)))
+
+
+def _tnd_segments(query, key, value, head_num, actual_seq_qlen, actual_seq_kvlen):
+    """(q0, q1, k0, k1) per segment, after the TND rules on shapes and lengths."""
+    _check(query.dim() == 3 and key.dim() == 3 and value.dim() == 3, "npu_fusion_attention: TND takes [T, N, D]")
+    _check(query.dtype in FLOATS and key.dtype == query.dtype and value.dtype == query.dtype,
+           f"npu_fusion_attention: dtypes {query.dtype}, {key.dtype}, {value.dtype}")
+    n, n_kv = query.shape[1], key.shape[1]
+    _check(n == head_num and 1 <= n <= 256 and n % n_kv == 0 and value.shape[1] == n_kv,
+           f"npu_fusion_attention: head_num {head_num}, Nq={n}, Nkv={n_kv}")
+    _check(1 <= query.shape[2] == key.shape[2] <= 768 and value.shape[2] <= key.shape[2],
+           f"npu_fusion_attention: head dims q {query.shape[2]}, k {key.shape[2]}, v {value.shape[2]} (1 to 768, "
+           "Dq = Dk >= Dv)")
+    _check(bool(actual_seq_qlen) and bool(actual_seq_kvlen) and len(actual_seq_qlen) == len(actual_seq_kvlen),
+           "npu_fusion_attention: TND needs actual_seq_qlen and actual_seq_kvlen of one size, not empty")
+    _check(len(actual_seq_qlen) <= TND_MAX_SEGMENTS,
+           f"npu_fusion_attention: {len(actual_seq_qlen)} segments (at most {TND_MAX_SEGMENTS} in TND)")
+    bounds = []
+    for name, seq, total in (("actual_seq_qlen", actual_seq_qlen, query.shape[0]),
+                             ("actual_seq_kvlen", actual_seq_kvlen, key.shape[0])):
+        _check(1 <= total <= TND_MAX_TOKENS, f"npu_fusion_attention: T={total} (1 to {TND_MAX_TOKENS})")
+        seq = [int(x) for x in seq]
+        _check(seq[0] >= 0 and all(b >= a for a, b in zip(seq, seq[1:])) and seq[-1] == total,
+               f"npu_fusion_attention: {name} {seq} must be cumulative lengths without a leading 0, ending at "
+               f"T={total}")
+        bounds.append([0, *seq])
+    cq, ck = bounds
+    return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
+
+
+def _tnd_masked(atten_mask, sparse_mode, pre, nxt, sq, sk, device):
+    """[sq, sk] (True = masked out) or None for one segment; refuses fully masked rows."""
+    _check(sparse_mode in TND_SPARSE_MODES, f"npu_fusion_attention: sparse_mode {sparse_mode} in TND (the FAKE "
+           f"takes {TND_SPARSE_MODES})")
+    if sparse_mode == 0:
+        _check(atten_mask is None, "npu_fusion_attention: the FAKE does not implement an atten_mask in TND mode 0")
+        return None
+    _check(atten_mask is not None and tuple(atten_mask.shape) == (COMPRESSED_MASK, COMPRESSED_MASK)
+           and torch.equal(atten_mask.to(torch.bool), _compressed_causal(atten_mask.device)),
+           f"npu_fusion_attention: sparse_mode {sparse_mode} takes triu(ones(2048, 2048), 1) as atten_mask")
+    rows = torch.arange(sq, device=device).unsqueeze(-1)
+    cols = torch.arange(sk, device=device)
+    if sparse_mode == 2:
+        masked = cols > rows
+    elif sparse_mode == 3:
+        masked = cols > rows + (sk - sq)
+    else:
+        _check(pre >= -nxt, f"npu_fusion_attention: band pre_tockens {pre}, next_tockens {nxt} do not intersect")
+        diagonal = rows + (sk - sq)
+        masked = (cols > diagonal + nxt) | (cols < diagonal - pre)
+    _check(sq == 0 or not bool(masked.all(-1).any()),
+           "npu_fusion_attention: a fully masked row in the TND layout (its atten_mask may have no all-1 row)")
+    return masked
+
+
+def _tnd_scores(query, key, value, head_num, atten_mask, scale, pre, nxt, bounds, sparse_mode):
+    """Per segment: (rows, keys, [N, sq, D] q, k, v in float32, [N, sq, sk] masked scores, mask)."""
+    group = head_num // key.shape[1]
+    for q0, q1, k0, k1 in bounds:
+        if q1 == q0:  # an empty segment (documented as allowed)
+            continue
+        masked = _tnd_masked(atten_mask, sparse_mode, pre, nxt, q1 - q0, k1 - k0, query.device)
+        qb = query[q0:q1].float().transpose(0, 1)
+        kb = key[k0:k1].float().repeat_interleave(group, 1).transpose(0, 1)
+        vb = value[k0:k1].float().repeat_interleave(group, 1).transpose(0, 1)
+        scores = (qb @ kb.transpose(-1, -2)) * scale
+        if masked is not None:
+            scores = scores.masked_fill(masked, MASKED)
+        yield slice(q0, q1), slice(k0, k1), qb, kb, vb, scores, masked
+
+
+def _tnd_forward(query, key, value, head_num, atten_mask, scale, pre, nxt, actual_seq_qlen, actual_seq_kvlen,
+                 sparse_mode, softmax_layout):
+    _check(softmax_layout in ("", "TND"), f"npu_fusion_attention: softmax_layout {softmax_layout!r}")
+    bounds = _tnd_segments(query, key, value, head_num, actual_seq_qlen, actual_seq_kvlen)
+    t, n = query.shape[:2]
+    out = torch.zeros(t, n, value.shape[-1], dtype=torch.float32, device=query.device)
+    row_max = torch.zeros(t, n, dtype=torch.float32, device=query.device)
+    row_sum = torch.zeros_like(row_max)
+    for rows, _, _, _, vb, scores, _ in _tnd_scores(query, key, value, head_num, atten_mask, scale, pre, nxt,
+                                                    bounds, sparse_mode):
+        peak = scores.amax(-1, keepdim=True)
+        exp = torch.exp(scores - peak)
+        total = exp.sum(-1, keepdim=True)
+        out[rows] = (exp / total @ vb).transpose(0, 1)
+        row_max[rows], row_sum[rows] = peak[..., 0].transpose(0, 1), total[..., 0].transpose(0, 1)
+    widen = (t, n, 8)  # softmax_max and softmax_sum: [T, N, 8] float32
+    return (out.to(query.dtype), row_max.unsqueeze(-1).expand(widen).contiguous(),
+            row_sum.unsqueeze(-1).expand(widen).contiguous(), query.new_empty(0), 0, 0, 0)
+
+
+def _tnd_backward(query, key, value, dy, head_num, atten_mask, softmax_max, softmax_sum, attention_in, scale, pre,
+                  nxt, actual_seq_qlen, actual_seq_kvlen, sparse_mode):
+    bounds = _tnd_segments(query, key, value, head_num, actual_seq_qlen, actual_seq_kvlen)
+    _check(tuple(softmax_max.shape) == (*query.shape[:2], 8) and softmax_sum.shape == softmax_max.shape,
+           f"npu_fusion_attention_grad: TND softmax_max/sum {tuple(softmax_max.shape)}, not [T, N, 8]")
+    _check(attention_in is not None and attention_in.shape == dy.shape,
+           "npu_fusion_attention_grad: TND needs attention_in, the forward's output")
+    group = head_num // key.shape[1]
+    dq = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    dk = torch.zeros(key.shape[0], head_num, key.shape[2], dtype=torch.float32, device=query.device)
+    dv = torch.zeros(value.shape[0], head_num, value.shape[2], dtype=torch.float32, device=query.device)
+    delta = (dy.float() * attention_in.float()).sum(-1)  # [T, N]: the kernel's rowsum(dy * attention_in)
+    for rows, keys, qb, kb, vb, scores, masked in _tnd_scores(query, key, value, head_num, atten_mask, scale, pre,
+                                                              nxt, bounds, sparse_mode):
+        peak = softmax_max[rows, :, :1].transpose(0, 1)
+        probs = torch.exp(scores - peak) / softmax_sum[rows, :, :1].transpose(0, 1)
+        g = dy[rows].float().transpose(0, 1)
+        d_scores = probs * (g @ vb.transpose(-1, -2) - delta[rows].transpose(0, 1).unsqueeze(-1))
+        if masked is not None:
+            d_scores = d_scores.masked_fill(masked, 0.0)
+        dv[keys] += (probs.transpose(-1, -2) @ g).transpose(0, 1)
+        dq[rows] = (d_scores @ kb).transpose(0, 1) * scale
+        dk[keys] += (d_scores.transpose(-1, -2) @ qb).transpose(0, 1) * scale
+    n_kv = key.shape[1]
+    dk = dk.view(key.shape[0], n_kv, group, -1).sum(2)
+    dv = dv.view(value.shape[0], n_kv, group, -1).sum(2)
+    return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), query.new_empty(0), query.new_empty(0))
 
 
 KERNELS = {
