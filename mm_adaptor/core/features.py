@@ -117,6 +117,9 @@ class Feature:
     # Megatron switches that unpatched Megatron cannot run here and that only this feature makes work: the
     # harness's baseline runs without them (e.g. SequentialMLP instead of GroupedMLP for --moe-grouped-gemm).
     unpatched_baseline_omits: tuple[str, ...] = ()
+    # Each rank holds other tokens than in the unpatched run (e.g. context parallelism against data parallelism):
+    # the check judges losses, gradients and parameters, not per-rank module outputs.
+    splits_sequence: bool = False
     # The feature's facts, read by contracts, verification, report and the docs:
     # the megatron-core versions its regression checks passed on, each with the one-line reason it is trusted there
     # (a patch serves where the installed function's code is that of one of these; docs/megatron-lm.md has detail);

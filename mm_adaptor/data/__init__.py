@@ -18,7 +18,18 @@ from mm_adaptor.data.records import DataError, llava_to_messages, read_records  
 from mm_adaptor.data.tokenizer import (  # noqa: F401
     ByteTokenizer, HFTokenizer, SPECIAL_TOKENS, check_model_matches, load_tokenizer, model_token_ids,
 )
-from mm_adaptor.data.vlm import BatchIterator, Report, build, collate, encode, validate  # noqa: F401
+
+_VLM_NAMES = ("BatchIterator", "Report", "build", "collate", "encode", "validate")
+
+
+def __getattr__(name: str):
+    """The batch builders import torch: only when asked for (the driver's refusals read this package's light
+    modules, e.g. packing's, before any rank starts, without torch)."""
+    if name in _VLM_NAMES:
+        from mm_adaptor.data import vlm
+
+        return getattr(vlm, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # MindSpeed-MM's dataset_param names -> build's keyword arguments
 MINDSPEED_NAMES = {"max_samples": "max_samples", "image_max_pixels": "image_max_pixels",

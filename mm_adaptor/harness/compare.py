@@ -154,6 +154,12 @@ def compare(feature_args: list[str], *, layout: str | None = None, extra_args: l
     base = [*(LAYOUTS[layout] if layout else []), *extra_args, "--train-iters", str(iters),
             "--nproc-per-node", str(nproc), "--timeout", str(timeout)]
     off_args, on_args = _checked(_parse(base)), _checked(_parse([*base, *feature_args]))
+    if "--global-batch-size" not in base and _finalized(off_args).data_parallel_size != \
+            _finalized(on_args).data_parallel_size:
+        # e.g. --context-parallel-size 2 on two ranks against DP2: the default global batch follows the
+        # data-parallel size, so the unpatched run is given the feature run's
+        base += ["--global-batch-size", str(_finalized(on_args).global_batch_size)]
+        off_args, on_args = _checked(_parse(base)), _checked(_parse([*base, *feature_args]))
     with tempfile.TemporaryDirectory(prefix="mm-adaptor-check-") as tmp:
         if any(f.changes_parameter_layout for f in switched_on):
             # Different parameter layouts initialise differently: both runs start from the off run's init.
@@ -172,18 +178,31 @@ def compare(feature_args: list[str], *, layout: str | None = None, extra_args: l
     return Comparison(
         layout=layout or _described_layout(on_args), precision=precision, feature_args=list(feature_args),
         tolerance=tol, limits=limits, losses_off=off.losses, losses_on=on.losses,
-        verdicts=verdict.judge(off, on, limits),
+        verdicts=verdict.judge(off, on, limits, skip=_not_comparable(switched_on, on_args)),
         memory_off=off.memory, memory_on=on.memory,
     )
 
 
+def _not_comparable(switched_on, on_args) -> tuple[str, ...]:
+    """Where a feature hands each rank other tokens than the unpatched run does (context parallelism against data
+    parallelism): the module outputs differ by construction, and so do the gradient shards a rank of the distributed
+    optimizer does not own (each holds its own tokens' partial sums there). Losses and parameters still judge it."""
+    if not any(f.splits_sequence for f in switched_on):
+        return ()
+    return ("activations", "gradients") if on_args.use_distributed_optimizer else ("activations",)
+
+
+def _finalized(args: argparse.Namespace) -> argparse.Namespace:
+    from mm_adaptor.train import finalize_args
+
+    return finalize_args(argparse.Namespace(**vars(args)), args.nproc_per_node)
+
+
 def _described_layout(args: argparse.Namespace) -> str:
     """A layout given by parallel-size flags, in the driver's words (TP1+PP2+DP1), without the precision."""
-    from mm_adaptor.train import finalize_args
     from mm_adaptor.train.logs import describe_layout
 
-    finalized = finalize_args(argparse.Namespace(**vars(args)), args.nproc_per_node)
-    return describe_layout(finalized).rsplit("+", 1)[0] + " (from the flags)"
+    return describe_layout(_finalized(args)).rsplit("+", 1)[0] + " (from the flags)"
 
 
 # The noise references: every matrix product summed in halves (step 1 and later), and in thirds (later steps only:

@@ -22,13 +22,15 @@ MODEL_ARGS = ("--normalization", "RMSNorm", "--swiglu", "--position-embedding-ty
 
 @dataclass(frozen=True)
 class Needs:
-    parallel: frozenset = frozenset()  # of "tp", "vpp", "moe", "distopt"
+    parallel: frozenset = frozenset()  # of "tp", "vpp", "moe", "distopt", "cp"
     base_args: tuple[str, ...] = ()  # switches of the model or precision, in both runs
     feature_args: tuple[str, ...] = ()  # the feature's own tuning flags, in the run with it only
 
 
 NEEDS: dict[str, Needs] = {
     "coc": Needs(frozenset({"tp"})),
+    # its main flag takes the size; the ring, on the smallest CP group
+    "context-parallel": Needs(frozenset({"cp"}), feature_args=("2", "--context-parallel-algo", "megatron_cp_algo")),
     "fused-gmm": Needs(frozenset({"moe"}), ("--moe-grouped-gemm", "--disable-bias-linear")),
     "reuse-fp32-param": Needs(base_args=("--bf16",)),
     "swap-attention": Needs(feature_args=("--swap-min-bytes", "0")),  # the tiny model's tensors are all small
@@ -45,8 +47,10 @@ def layout_args(parallel: frozenset) -> tuple[list[str], int]:
     """The training arguments of the smallest layout with these dimensions, and its rank count."""
     tp, pp = (2 if "tp" in parallel else 1), (2 if "vpp" in parallel else 1)
     ep = 2 if "moe" in parallel else 1
-    # experts span TP x DP ranks (expert TP = TP), so DP is a multiple of EP; otherwise DP2 where nothing else is 2
-    dp = ep if ep > 1 else (2 if tp == pp == 1 else 1)
+    cp = 2 if "cp" in parallel else 1  # the feature's own flags set it (NEEDS); the layout counts its ranks
+    # experts span TP x CP x DP ranks (expert TP = TP), so CP x DP is a multiple of EP; otherwise DP2 where nothing
+    # else is 2
+    dp = max(1, ep // cp) if ep > 1 else (2 if tp == pp == cp == 1 else 1)
     args = ["--num-layers", "4" if pp > 1 else "2"]
     if tp > 1:
         args += ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"]
@@ -57,7 +61,7 @@ def layout_args(parallel: frozenset) -> tuple[list[str], int]:
         args += ["--num-experts", "4", "--expert-model-parallel-size", str(ep)]
     if "distopt" in parallel:
         args += ["--use-distributed-optimizer"]
-    return args, tp * pp * dp
+    return args, tp * pp * cp * dp
 
 
 @dataclass

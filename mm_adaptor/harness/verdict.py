@@ -292,10 +292,13 @@ def _describe(stats: dict) -> str:
     return ", ".join(f"{k} {v:.2e}" for k, v in stats.items())
 
 
-def judge(off, on, limits: Limits) -> dict[str, GroupVerdict]:
-    verdicts = {group: GroupVerdict(group) for group in GROUPS}
+def judge(off, on, limits: Limits, skip: tuple[str, ...] = ()) -> dict[str, GroupVerdict]:
+    """skip: groups not comparable between the two runs (e.g. activations, where the feature's layout hands each
+    rank other tokens than the unpatched one's)."""
+    verdicts = {group: GroupVerdict(group) for group in GROUPS if group not in skip}
     for point in points(off, on):
-        verdicts[point.group].add(point, limits)
+        if point.group not in skip:
+            verdicts[point.group].add(point, limits)
     if len(off.losses) != len(on.losses):
         verdicts["loss"].failures.append(f"{len(off.losses)} vs {len(on.losses)} steps")
     for r_off, r_on in zip(off.ranks, on.ranks):

@@ -8,10 +8,12 @@ turns into (visual_rows) and, where its decoder takes more than the embeddings, 
 from __future__ import annotations
 
 import torch
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
+
+from mm_adaptor.core.sequence_split import local_half
 
 
 class VisionLanguageModel(MegatronModule):
@@ -62,7 +64,7 @@ class VisionLanguageModel(MegatronModule):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None, labels=None,
                 pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
-                loss_mask=None, runtime_gather_output: bool | None = None):
+                loss_mask=None, runtime_gather_output: bool | None = None, packed_seq_params=None):
         decoder_input, block_kwargs = None, None
         if self.pre_process:
             decoder_input, block_kwargs = self.embed(
@@ -70,7 +72,7 @@ class VisionLanguageModel(MegatronModule):
         return self.language_model(input_ids=None if self.pre_process else input_ids, position_ids=position_ids,
                                    attention_mask=attention_mask, decoder_input=decoder_input, labels=labels,
                                    loss_mask=loss_mask, runtime_gather_output=runtime_gather_output,
-                                   extra_block_kwargs=block_kwargs)
+                                   extra_block_kwargs=block_kwargs, packed_seq_params=packed_seq_params)
 
     def embed(self, input_ids: torch.Tensor, visual_inputs):
         """Word embeddings [s, b, h] with the visual rows at their pad tokens, scattered for SP, and the decoder
@@ -93,6 +95,9 @@ class VisionLanguageModel(MegatronModule):
             placed.append((at, extra))
         embeddings = batch_major.transpose(0, 1).contiguous()
         block_kwargs = self.block_kwargs(placed, text.dtype) if placed else None
+        if self.config.context_parallel_size > 1:  # input_ids came whole: this CP rank's part of the sequence
+            embeddings = local_half(embeddings, parallel_state.get_context_parallel_rank(),
+                                    self.config.context_parallel_size)
         if self.config.sequence_parallel:
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
         return embeddings, block_kwargs

@@ -29,8 +29,16 @@ class MockBatches:
         vocab = min(self.args.vocab_size, self.ALPHABET)
         start = int(torch.randint(0, vocab, (1,), generator=gen))
         stride = int(torch.randint(1, 8, (1,), generator=gen))
-        seq = (start + stride * torch.arange(self.args.seq_length + 1)) % vocab
+        seq = (start + stride * torch.arange(self.length(gen) + 1)) % vocab
         return seq
+
+    def length(self, gen) -> int:
+        """--seq-length; with --mock-lengths skewed, 1/16 of it to all of it, most samples short (u^3)."""
+        full = self.args.seq_length
+        if getattr(self.args, "mock_lengths", "full") != "skewed":
+            return full
+        shortest = max(2, full // 16)
+        return shortest + int((full - shortest) * float(self.torch.rand(1, generator=gen)) ** 3)
 
     def __iter__(self):
         return self
@@ -40,14 +48,41 @@ class MockBatches:
         a = self.args
         base = (self.iteration * a.global_batch_size + self.microbatch * a.micro_batch_size * a.data_parallel_size
                 + self.dp_rank * a.micro_batch_size)
-        seqs = torch.stack([self.sample(base + j) for j in range(a.micro_batch_size)])
+        samples = [self.sample(base + j) for j in range(a.micro_batch_size)]
         self.microbatch += 1
         if self.microbatch == a.num_microbatches:
             self.microbatch = 0
             self.iteration += 1
+        seqs = torch.zeros(len(samples), a.seq_length + 1, dtype=torch.long)
+        loss_mask = torch.zeros(len(samples), a.seq_length)
+        for row, seq in enumerate(samples):  # a shorter sample (--mock-lengths skewed): padded, its loss masked
+            seqs[row, :len(seq)] = seq
+            loss_mask[row, :len(seq) - 1] = 1.0
         tokens = seqs[:, :-1].contiguous()
         labels = seqs[:, 1:].contiguous()
         position_ids = torch.arange(a.seq_length).unsqueeze(0).expand_as(tokens).contiguous()
-        loss_mask = torch.ones_like(tokens, dtype=torch.float)
         batch = {"tokens": tokens, "labels": labels, "position_ids": position_ids, "loss_mask": loss_mask}
         return {name: tensor.to(self.device) for name, tensor in batch.items()}
+
+
+class ContextParallelSlices:
+    """A batch iterator's batches as one context-parallel rank sees them: of each [b, s] tensor named in `split`
+    (the family's context_parallel_split) its two load-balanced chunks (core.sequence_split)."""
+
+    def __init__(self, batches, cp_rank: int, cp_size: int, split: tuple[str, ...]):
+        self.batches, self.cp_rank, self.cp_size, self.split = batches, cp_rank, cp_size, split
+
+    def __getattr__(self, name):  # start_step, microbatches_this_step, ... of the wrapped iterator
+        return getattr(self.batches, name)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        from mm_adaptor.core.sequence_split import local_half
+
+        batch = next(self.batches)
+        if "packed_seq_params" in batch:
+            raise NotImplementedError("--packing with --context-parallel-size > 1 is not built yet")
+        return {name: local_half(t, self.cp_rank, self.cp_size, dim=1) if name in self.split else t
+                for name, t in batch.items()}

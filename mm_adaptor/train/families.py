@@ -48,7 +48,8 @@ def forward_step(data_iterator, model):
     from mm_adaptor.train.model import loss_func
 
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    packed = {"packed_seq_params": batch["packed_seq_params"]} if "packed_seq_params" in batch else {}
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], **packed)
     return output, partial(loss_func, batch["loss_mask"])
 
 
@@ -59,6 +60,8 @@ class Gpt:
     loads_converted_checkpoints = False
     # the family splits pipeline stages itself (a pattern or --pipeline-layers), not --num-layers / PP
     splits_stages = False
+    # the batch tensors each context-parallel rank gets its part of (core.sequence_split)
+    context_parallel_split = ("tokens", "labels", "loss_mask", "position_ids")
 
     def __init__(self, spec):
         self.spec = spec
@@ -76,7 +79,9 @@ class Gpt:
 
     def problems(self, args) -> list[str]:
         """What the family cannot run, after the driver's own layout rules (one line each)."""
-        return []
+        from mm_adaptor.data.packing import problems
+
+        return problems(args)
 
     def data_problems(self, args) -> list[str]:
         return []
@@ -95,10 +100,17 @@ class Gpt:
     def batches(self, args, dp_rank: int, start_iteration: int, device, chunks) -> list:
         from mm_adaptor.train.data import MockBatches
 
+        if getattr(args, "packing", False):
+            from mm_adaptor.data.packing import PackedBatches, text_sample
+
+            mock = MockBatches(args, dp_rank, start_iteration, device)
+            return [PackedBatches(args, dp_rank, start_iteration, device, lambda g: text_sample(mock.sample(g)))
+                    for _ in chunks]
         return [MockBatches(args, dp_rank, start_iteration, device) for _ in chunks]
 
     def banner(self, args) -> str:
-        return ""
+        packed = getattr(args, "packing", False)
+        return " | --packing: each step's samples packed into rows of --seq-length" if packed else ""
 
     def save_side_files(self, args) -> None:
         pass

@@ -116,14 +116,16 @@ def _parallel_layout(args, world_size: int, family) -> list[str]:
     """args.data_parallel_size and args.virtual_pipeline_model_parallel_size (None where the layout is broken)."""
     problems = []
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cp = getattr(args, "context_parallel_size", 1)
     args.data_parallel_size = None
-    if world_size % (tp * pp) != 0:
+    if world_size % (tp * pp * cp) != 0:
+        context = f" x --context-parallel-size {cp}" if cp > 1 else ""
         problems.append(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp}: change --nproc-per-node or the layout"
+            f"--pipeline-model-parallel-size {pp}{context}: change --nproc-per-node or the layout"
         )
     else:
-        args.data_parallel_size = world_size // (tp * pp)
+        args.data_parallel_size = world_size // (tp * pp * cp)
     if args.sequence_parallel and tp == 1:
         problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if args.num_layers % pp != 0 and not getattr(args, "pipeline_layers", None) and not family.splits_stages:

@@ -58,6 +58,8 @@ def describe_layout(args) -> str:
     parts = [f"TP{args.tensor_model_parallel_size}", f"PP{args.pipeline_model_parallel_size}"]
     if args.virtual_pipeline_model_parallel_size:
         parts.append(f"VPP{args.virtual_pipeline_model_parallel_size}")
+    if getattr(args, "context_parallel_size", 1) > 1:
+        parts.append(f"CP{args.context_parallel_size}({args.context_parallel_algo})")
     parts.append(f"DP{args.data_parallel_size}")
     if args.num_experts:
         parts.append(f"EP{args.expert_model_parallel_size}({args.num_experts} experts)")

@@ -14,6 +14,7 @@ from mm_adaptor.ranks.launcher import report_progress
 from mm_adaptor.train import families
 from mm_adaptor.train.arguments import finalize_args
 from mm_adaptor.train.checkpoint import load_checkpoint, save_checkpoint
+from mm_adaptor.train.data import ContextParallelSlices
 from mm_adaptor.train.dump import Recorder
 from mm_adaptor.train.logs import StepRecord, describe_layout, format_iteration, print_last_rank, set_silent, summary
 from mm_adaptor.train.model import (  # noqa: F401  (loss_func: callers read it here too)
@@ -77,7 +78,7 @@ def train_step(state: RunState, data_iterators, forward_backward_func, step_func
         forward_step_func=step_func,
         data_iterator=data_iterators if len(data_iterators) > 1 else data_iterators[0],
         model=state.model,
-        num_microbatches=args.num_microbatches,
+        num_microbatches=getattr(data_iterators[0], "microbatches_this_step", None) or args.num_microbatches,
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
         decoder_seq_length=args.seq_length,
@@ -120,6 +121,7 @@ def run_rank(args: argparse.Namespace) -> None:
     report_progress("building")
     set_silent(args.silent)
     backend = devices.install()
+    packing = _packed_attention(args)  # first: a feature wrapping the same attention sees packed calls reach it
     mm_adaptor.enable(args)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend.set_local_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -135,6 +137,19 @@ def run_rank(args: argparse.Namespace) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         mm_adaptor.disable()
+        if packing is not None:
+            packing.revert()
+
+
+def _packed_attention(args):
+    """--packing: the local spec's core attention takes megatron's PackedSeqParams (applied, or None)."""
+    if not getattr(args, "packing", False):
+        return None
+    from mm_adaptor.patches.transformer.packed_attention import patch_set
+
+    patches = patch_set()
+    patches.apply()
+    return patches
 
 
 def _build(args, device) -> RunState:
@@ -147,6 +162,7 @@ def _build(args, device) -> RunState:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=getattr(args, "context_parallel_size", 1),
         expert_model_parallel_size=args.expert_model_parallel_size,
     )
     init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size, args.micro_batch_size,
@@ -177,6 +193,9 @@ def _train(args, backend) -> None:
     recorder = Recorder(state.model) if args.dump else None
     family = families.of(args)
     data = family.batches(args, ps.get_data_parallel_rank(), state.iteration, device, state.model)
+    if getattr(args, "context_parallel_size", 1) > 1:  # each context-parallel rank: its two chunks of every batch
+        data = [ContextParallelSlices(d, ps.get_context_parallel_rank(), args.context_parallel_size,
+                                      family.context_parallel_split) for d in data]
     step_func = family.forward_step
     fb = get_forward_backward_func()
     tokens_per_step = args.global_batch_size * args.seq_length
@@ -218,6 +237,10 @@ def _train(args, backend) -> None:
             _save(state, args)
     if args.save and (not args.save_interval or state.iteration % args.save_interval != 0):
         _save(state, args)
+    if getattr(args, "packing", False):
+        from mm_adaptor.patches.transformer.packed_attention import CALLS
+
+        state.memory["packed_attention"] = {"calls": CALLS.calls, "last_cu_seqlens": CALLS.last_cu_seqlens}
     if recorder is not None:
         recorder.write(state, args.dump)
     print_last_rank(summary(args, state.records, start_iteration, layout))

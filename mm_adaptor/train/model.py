@@ -55,6 +55,7 @@ def transformer_config(args):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=getattr(args, "context_parallel_size", 1),
         sequence_parallel=args.sequence_parallel,
         expert_model_parallel_size=args.expert_model_parallel_size,
         pipeline_dtype=dtype,

@@ -73,6 +73,9 @@ class VisionLanguage(Gpt):
 
     loads_converted_checkpoints = True
     splits_stages = False
+    # input_ids and the 3-D positions stay whole: the model places the vision rows on the whole sequence before it
+    # takes its CP part, and megatron's mrope takes its CP part of the frequencies itself
+    context_parallel_split = ("labels", "loss_mask")
     forward_step = staticmethod(forward_step)
 
     def model_config(self, args):
@@ -91,8 +94,9 @@ class VisionLanguage(Gpt):
             config = self.spec.tiny_config(num_layers=args.num_layers, **layout)
         else:
             config = self.spec.config_from_hf(registry.hf_config_of(args.load), **layout)
-        if any(f.name == "expert_model_parallel_size" for f in dataclasses.fields(config)):
-            config = dataclasses.replace(config, expert_model_parallel_size=args.expert_model_parallel_size)
+        for name in ("expert_model_parallel_size", "context_parallel_size"):
+            if any(f.name == name for f in dataclasses.fields(config)):
+                config = dataclasses.replace(config, **{name: getattr(args, name, 1)})
         return config
 
     def shape_args(self, args) -> list[str]:
@@ -133,8 +137,13 @@ class VisionLanguage(Gpt):
         return []
 
     def problems(self, args) -> list[str]:
-        found = []
+        from mm_adaptor.data.packing import problems as packing_problems
+
+        found = packing_problems(args)
         pp = args.pipeline_model_parallel_size
+        if getattr(args, "context_parallel_size", 1) > 1 and not _has_field(self.spec, "context_parallel_size"):
+            found.append(f"--model {args.model}: --context-parallel-size above 1 is built for the GPT and Qwen2.5-VL "
+                         "so far (not this family's interleaved rope and DeepStack features): drop it")
         if args.virtual_pipeline_model_parallel_size:
             found.append(f"--model {args.model}: virtual pipeline stages are not supported (the vision encoder "
                          "belongs to the first virtual stage only, not built yet): drop "
@@ -195,3 +204,8 @@ class VisionLanguage(Gpt):
             hf = self.spec.package_module().tiny_hf_config_dict(self.model_config(args))
             (target / "config.json").write_text(json.dumps(hf, indent=1))
 
+
+def _has_field(spec, name: str) -> bool:
+    """Whether the family's model config has this field (what the family's model serves)."""
+    config = spec.tiny_config()
+    return any(f.name == name for f in dataclasses.fields(config))

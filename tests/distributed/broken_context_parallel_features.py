@@ -1,0 +1,39 @@
+"""Deliberately wrong context parallelism for the harness's self-test (loaded into the training ranks through
+MM_ADAPTOR_FEATURE_MODULES), each beside the real --context-parallel-size 2: a ring that forgets the causal mask of
+its diagonal blocks (each token also sees the later tokens of its own chunk), and Ulysses that gathers the heads in
+the wrong order."""
+
+from mm_adaptor.core.features import Feature, Flag, register
+
+
+def _wrong(**broken):
+    def wrapper(wrapped, instance, args, kwargs):
+        return wrapped(*args, **{**kwargs, **broken})
+    return wrapper
+
+
+class _BrokenContextParallel(Feature):
+    broken: dict = {}
+
+    def patch_sets(self, options):
+        from mm_adaptor.core.patching import PatchSet
+
+        ps = PatchSet(self.name)
+        ps.wrap("mm_adaptor.patches.transformer.context_parallel.context_parallel_attention", _wrong(**self.broken))
+        return [ps]
+
+
+@register
+class RingWithoutDiagonalMask(_BrokenContextParallel):
+    name = "test-broken-cp-ring-diagonal"
+    description = "--context-parallel-algo megatron_cp_algo without the causal mask of the diagonal blocks"
+    flags = (Flag("--use-test-broken-cp-ring-diagonal", description),)
+    broken = {"diagonal_causal": False}
+
+
+@register
+class UlyssesHeadsMisordered(_BrokenContextParallel):
+    name = "test-broken-cp-ulysses-heads"
+    description = "--context-parallel-algo ulysses_cp_algo gathering the heads in reverse order"
+    flags = (Flag("--use-test-broken-cp-ulysses-heads", description),)
+    broken = {"head_order": [1, 0]}

@@ -1,0 +1,62 @@
+"""--context-parallel-size N --context-parallel-algo X on the local spec against unpatched Megatron without context
+parallelism (the same global batch on data-parallel ranks instead): the harness's calibrated verdict on losses,
+every step's gradients and the parameters, with the attention calls counted on the way (the mechanism ran).
+Ulysses and the ring over 2 ranks, the ring in bf16, hybrid (Ulysses 2 x ring 2) over 4 ranks, the ring beside
+TP2 + SP and the distributed optimizer over 4 ranks, the ring on the tiny Qwen2.5-VL. Broken variants
+(tests/distributed/broken_context_parallel_features.py) must fail: a ring without its diagonal blocks' causal
+mask, Ulysses with the heads gathered in the wrong order. The attention itself is tested alone in
+test_context_parallel_attention.py."""
+
+import pytest
+
+from mm_adaptor import harness
+
+pytestmark = pytest.mark.distributed
+
+BASE = ["--num-layers", "2", "--seq-length", "64", "--tensor-model-parallel-size", "1"]
+
+
+def check(algo, extra=(), nproc=2, size=2, ulysses=None):
+    flags = ["--context-parallel-size", str(size), "--context-parallel-algo", algo]
+    flags += ["--ulysses-degree-in-cp", str(ulysses)] if ulysses else []
+    result = harness.compare(flags, extra_args=[*BASE, *extra], iters=3, nproc=nproc)
+    assert result.passed, harness.format_comparison(result)
+    assert not result.tolerance.exact
+    return result.memory_on["feature_statistics"]["context-parallel"]
+
+
+@pytest.mark.parametrize("algo,extra", [("ulysses_cp_algo", []), ("megatron_cp_algo", []),
+                                        ("megatron_cp_algo", ["--bf16"])], ids=["ulysses", "ring", "ring-bf16"])
+def test_two_ranks(algo, extra):
+    stats = check(algo, extra)
+    assert stats[f"{algo} attention calls"] > 0
+
+
+def test_the_tiny_qwen2_5_vl():
+    """The vision tower runs on whole images on every CP rank; the language model takes its part of the embeddings
+    (vision rows placed), megatron's mrope its part of the 3-D positions."""
+    stats = check("megatron_cp_algo", ["--model", "qwen2_5_vl-tiny", "--micro-batch-size", "1"])
+    assert stats["megatron_cp_algo attention calls"] > 0
+
+
+def test_hybrid_on_four_ranks():
+    stats = check("hybrid_cp_algo", ["--num-attention-heads", "4", "--global-batch-size", "8"], nproc=4, size=4,
+                  ulysses=2)
+    assert stats["hybrid_cp_algo attention calls"] > 0
+
+
+def test_ring_beside_tp2_sp_and_the_distributed_optimizer():
+    """With the distributed optimizer the harness judges losses and parameters (compare._not_comparable)."""
+    stats = check("megatron_cp_algo", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                       "--use-distributed-optimizer"], nproc=4)
+    assert stats["megatron_cp_algo attention calls"] > 0
+
+
+@pytest.mark.parametrize("broken,algo", [("--use-test-broken-cp-ring-diagonal", "megatron_cp_algo"),
+                                         ("--use-test-broken-cp-ulysses-heads", "ulysses_cp_algo")])
+def test_broken_variant_fails(broken, algo):
+    with harness.extra_feature_module("broken_context_parallel_features"):
+        result = harness.compare([broken, "--context-parallel-size", "2", "--context-parallel-algo", algo],
+                                 extra_args=BASE, iters=3, nproc=2)
+    assert not result.passed
+    assert result.loss_failures
