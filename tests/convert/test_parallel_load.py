@@ -23,12 +23,12 @@ def _rank_main(workdir):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from gloo_rank import model_parallel, rank_of_two
+    from gloo_rank import model_parallel, a_rank
     from hf_reference import megatron_shard
     from mm_adaptor.models.qwen2_5_vl.config import config_from_hf
     from mm_adaptor.models.qwen2_5_vl.model import model_provider
 
-    with rank_of_two(workdir) as (case, results):
+    with a_rank(workdir) as (case, results):
         for layout, fields in LAYOUTS.items():
             config = config_from_hf(case["config"], **fields)
             with model_parallel(config.tensor_model_parallel_size, config.pipeline_model_parallel_size):
@@ -48,12 +48,12 @@ def _rank_main(workdir):
 @pytest.fixture(scope="module")
 def ranks(tiny_hf, tmp_path_factory):
     from mm_adaptor.convert.hf_to_mcore import convert
-    from gloo_rank import run_two_ranks
+    from gloo_rank import run_ranks
 
     hf, saved = tiny_hf
     workdir = tmp_path_factory.mktemp("convert_parallel")
     convert(hf, workdir / "mc", tp=2, llm=[[1, 3]], vit=[[2, 0]])
-    return run_two_ranks(_rank_main, workdir, {"hf": saved, "config": json.loads((hf / "config.json").read_text())})
+    return run_ranks(_rank_main, workdir, {"hf": saved, "config": json.loads((hf / "config.json").read_text())})
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -216,11 +216,11 @@ PARALLEL = {"moe_ep2": ("moe", dict(expert_model_parallel_size=2)),
 def _rank_main(workdir):
     from megatron.core import dist_checkpointing
 
-    from gloo_rank import model_parallel, rank_of_two
+    from gloo_rank import model_parallel, a_rank
     from mm_adaptor.models.qwen3_vl import config_from_hf, model_provider
     from qwen3_reference import local_shard
 
-    with rank_of_two(workdir) as (case, results):
+    with a_rank(workdir) as (case, results):
         for layout, (model, fields) in PARALLEL.items():
             config = config_from_hf(case["config", model], **fields)
             with model_parallel(config.tensor_model_parallel_size,
@@ -241,7 +241,7 @@ def _rank_main(workdir):
 def parallel_runs(saved, tmp_path_factory):
     from mm_adaptor.convert import hf_to_mcore_tensors
     from mm_adaptor.convert.families import family_for
-    from gloo_rank import run_two_ranks
+    from gloo_rank import run_ranks
     from mm_adaptor.convert.hf_to_mcore import convert
 
     workdir = tmp_path_factory.mktemp("qwen3_vl_parallel_load")
@@ -250,7 +250,7 @@ def parallel_runs(saved, tmp_path_factory):
         convert(path, workdir / model, tp=2, ep=2 if model == "moe" else 1)
         case["config", model] = json.loads((path / "config.json").read_text())
         case["whole", model] = hf_to_mcore_tensors(family_for(case["config", model]), tensors)
-    return run_two_ranks(_rank_main, workdir, case)
+    return run_ranks(_rank_main, workdir, case)
 
 
 @pytest.mark.distributed

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from gloo_rank import model_parallel, rank_of_two, run_two_ranks  # noqa: E402
+from gloo_rank import model_parallel, a_rank, run_ranks  # noqa: E402
 from hf_reference import hf_inputs, hf_model, load_hf_weights  # noqa: E402
 from test_qwen2_5_vl_logits import BF16_TOLERANCE, CONFIG, FP32_TOLERANCE, prompts, relative_error  # noqa: E402
 
@@ -77,7 +77,7 @@ def _rank_main(workdir):
 
     from mm_adaptor.models.qwen2_5_vl import model_provider
 
-    with rank_of_two(workdir) as (case, results):
+    with a_rank(workdir) as (case, results):
         for layout, fields in LAYOUTS.items():
             config = dataclasses.replace(CONFIG, **fields)
             with model_parallel(config.tensor_model_parallel_size, config.pipeline_model_parallel_size):
@@ -118,7 +118,7 @@ def runs(tmp_path_factory):
     expected["loss"].backward()
     expected["patch_grad"] = reference.model.visual.patch_embed.proj.weight.grad.flatten(1)
     expected["output_grad"] = reference.lm_head.weight.grad
-    ranks = run_two_ranks(_rank_main, workdir, {"hf_state": reference.state_dict(), "prompts": cases})
+    ranks = run_ranks(_rank_main, workdir, {"hf_state": reference.state_dict(), "prompts": cases})
     return ranks, expected
 
 

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from gloo_rank import model_parallel, rank_of_two, run_two_ranks  # noqa: E402
+from gloo_rank import model_parallel, a_rank, run_ranks  # noqa: E402
 from qwen3_reference import (  # noqa: E402
     TRANSFORMERS_5, hf_logits, hf_model, hf_positions, load_hf_weights, token_types,
 )
@@ -88,7 +88,7 @@ def _rank_main(workdir):
 
     from mm_adaptor.models.qwen3_vl import model_provider
 
-    with rank_of_two(workdir) as (case, results):
+    with a_rank(workdir) as (case, results):
         for layout, (family, fields) in LAYOUTS.items():
             config = dataclasses.replace(FAMILIES[family], **fields)
             with model_parallel(config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
@@ -134,7 +134,7 @@ def runs(tmp_path_factory):
     expected["patch_grad"] = reference.model.visual.patch_embed.proj.weight.grad.flatten(1)
     expected["deepstack_grad"] = reference.model.visual.deepstack_merger_list[0].linear_fc1.weight.grad
     expected["output_grad"] = reference.lm_head.weight.grad
-    return run_two_ranks(_rank_main, workdir, case), expected
+    return run_ranks(_rank_main, workdir, case), expected
 
 
 @pytest.mark.parametrize("name", PROMPTS)
