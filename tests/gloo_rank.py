@@ -67,5 +67,3 @@ def model_parallel(tensor: int, pipeline: int = 1, **sizes):
     finally:
         parallel_state.destroy_model_parallel()
 
-
-run_two_ranks, rank_of_two = run_ranks, a_rank  # the names a helper's new test uses; folded at integration

@@ -42,6 +42,9 @@ def _mcore_to_hf_parser() -> ArgumentParser:
     parser.add_argument("--hf-config", default=None,
                         help="the HF config.json (default MCORE_DIR/hf/config.json, which hf-to-mcore wrote)")
     parser.add_argument("--max-shard-size-gb", type=float, default=5.0, help="largest output shard (default 5)")
+    parser.add_argument("--layout", choices=["native", "original"], default=None,
+                        help="InternVL only: native (transformers' InternVLForConditionalGeneration, the default) or "
+                             "original (OpenGVLab's InternVLChatModel)")
     return parser
 
 
@@ -50,7 +53,8 @@ COMMANDS = {"hf-to-mcore": _hf_to_mcore_parser, "mcore-to-hf": _mcore_to_hf_pars
 
 def main(argv: list[str]) -> int:
     top = ArgumentParser(prog="mm-adaptor convert",
-                         description="Convert checkpoints (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE). " + LAYOUT_NOTE,
+                         description="Convert checkpoints (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, InternVL). "
+                                     + LAYOUT_NOTE,
                          help_hint="`mm-adaptor convert --help` lists the directions")
     top.add_argument("direction", choices=list(COMMANDS), help="hf-to-mcore or mcore-to-hf (each has --help)")
     if not argv or argv[0].startswith("-"):
@@ -77,7 +81,8 @@ def main(argv: list[str]) -> int:
 
             if args.max_shard_size_gb <= 0:
                 raise ConvertError(f"--max-shard-size-gb {args.max_shard_size_gb}: must be positive")
-            figures = convert(args.mcore_dir, args.hf_dir, args.hf_config, int(args.max_shard_size_gb * 1e9))
+            figures = convert(args.mcore_dir, args.hf_dir, args.hf_config, int(args.max_shard_size_gb * 1e9),
+                              args.layout)
     except ConvertError as error:
         parser.fail(str(error))
     print(f"{argv[0]}: {figures['tensors']} tensors, {figures['bytes'] / 1e9:.2f} GB in {figures['seconds']:.1f} s",

@@ -40,8 +40,12 @@ TOWERS = {"language_model.decoder.layers.": "language_transformer_config",
           "vision_model.decoder.layers.": "vision_transformer_config"}
 
 
-def checkpoint_family(config):
-    """family_for(config), checked against the family's own model and told how megatron keys its checkpoint:
+def checkpoint_family(config, layout: str | None = None, writing: bool = False):
+    """family_for(config), checked against the family's own model and told how megatron keys its checkpoint.
+
+    A family whose checkpoints come in several layouts (its mapping's LAYOUTS, the first the one written by
+    default) reads the config's own and writes `layout` (`mcore-to-hf --layout`); the Family's config is then that
+    layout's config.json. A layout the family lacks is a ValueError.
 
     - the family's config reader (what the driver and `mm-adaptor generate` build the model from) must take the
       config: its ValueError (or KeyError) refuses the conversion before anything is written;
@@ -49,7 +53,12 @@ def checkpoint_family(config):
       TransformerConfig (see _layers_saved_apart)."""
     cfg = config_dict(config)
     spec = registry.spec_for_hf_config(cfg)
-    family = spec.mapping_module().family(cfg)
+    module = spec.mapping_module()
+    layouts = getattr(module, "LAYOUTS", ())
+    if layout is not None and layout not in layouts:
+        raise ValueError(f"--layout {layout}: " + (f"{spec.name} checkpoints are written as {', '.join(layouts)}"
+                                                    if layouts else f"{spec.name} checkpoints have one layout"))
+    family = module.family(cfg, layout=layout or layouts[0]) if layouts and writing else module.family(cfg)
     if spec.package is None:
         return family
     model_config = spec.config_from_hf(cfg)

@@ -28,7 +28,7 @@ def checkpoint_path(mcore_dir: Path) -> Path:
     raise ConvertError(f"{mcore_dir}: no {MARKER} and no dist checkpoint (.metadata)")
 
 
-def plan(mcore_dir: Path, hf_config: Path | None):
+def plan(mcore_dir: Path, hf_config: Path | None, layout: str | None = None):
     """Every check before anything is written. Returns (family, reader, units in HF order, the transformers major
     whose fused experts layout to write or None); a unit is (first HF name, [(rule, layer)], bytes, fused name or
     None): one tensor, or all experts of a layer that one fused tensor holds."""
@@ -36,7 +36,7 @@ def plan(mcore_dir: Path, hf_config: Path | None):
 
     config_path = hf_config or mcore_dir / "hf" / "config.json"
     try:
-        family = checkpoint_family(read_config(config_path))
+        family = checkpoint_family(read_config(config_path), layout, writing=True)
     except (KeyError, ValueError) as error:
         raise ConvertError(f"{config_path}: {error}") from None
     reader = Reader(checkpoint_path(mcore_dir))
@@ -85,17 +85,19 @@ def plan(mcore_dir: Path, hf_config: Path | None):
 
 
 def _hf_order(name: str):
-    """visual.* before model.* before lm_head, layers in numeric order (as save_pretrained groups them)."""
+    """visual.* before model.* before lm_head, layers in numeric order (as save_pretrained groups them); the
+    OpenGVLab layout's vision_model.*, mlp1.*, language_model.* likewise."""
     parts = name.split(".")
-    return (["visual", "model", "lm_head"].index(parts[0]),
+    return (["visual", "vision_model", "mlp1", "model", "language_model", "lm_head"].index(parts[0]),
             [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts[1:]])
 
 
-def convert(mcore_dir, hf_dir, hf_config=None, max_shard_bytes: int = 5 * 10**9) -> dict:
-    """Refuses before writing (ConvertError); returns figures (seconds, tensors, bytes, shards)."""
+def convert(mcore_dir, hf_dir, hf_config=None, max_shard_bytes: int = 5 * 10**9, layout: str | None = None) -> dict:
+    """Refuses before writing (ConvertError); returns figures (seconds, tensors, bytes, shards). `layout`: which of
+    the family's checkpoint layouts to write (InternVL: native, original), None its default."""
     mcore_dir, hf_dir = Path(mcore_dir), Path(hf_dir)
     require_empty(hf_dir)
-    family, reader, units, major = plan(mcore_dir, Path(hf_config) if hf_config else None)
+    family, reader, units, major = plan(mcore_dir, Path(hf_config) if hf_config else None, layout)
     try:
         return _write(family, reader, units, major, mcore_dir, hf_dir, hf_config, max_shard_bytes)
     except BaseException:
@@ -140,6 +142,8 @@ def _write(family, reader, units, major, mcore_dir: Path, hf_dir: Path, hf_confi
         copy_side_files(mcore_dir / "hf", hf_dir)
     if hf_config:
         (hf_dir / "config.json").write_text(Path(hf_config).read_text())
+    if family.config.get("model_type") != json.loads((hf_dir / "config.json").read_text()).get("model_type"):
+        (hf_dir / "config.json").write_text(json.dumps(family.config, indent=2) + "\n")  # another layout's config
     _for_installed(hf_dir / "config.json", major if fused_written else None)
     return {"seconds": time.time() - start, "tensors": len(weight_map), "bytes": total, "shards": len(shards)}
 

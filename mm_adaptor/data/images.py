@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mm_adaptor.data.pixels import refuse_unsupported as _refuse_unsupported, to_rgb  # noqa: F401
+
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
 IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 DEFAULT_MIN_PIXELS = 56 * 56
@@ -31,19 +33,6 @@ TEMPORAL_PATCH_SIZE = 2
 MERGE_SIZE = 2
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 VIDEO_PREPROCESSOR_CONFIG = "video_preprocessor_config.json"
-
-
-def to_rgb(image):
-    """RGB as transformers 5.x's convert_to_rgb: transparency composited onto white (4.57 dropped the alpha channel,
-    so a transparent pixel kept its hidden colour)."""
-    from PIL import Image
-
-    if image.mode == "RGB":
-        return image
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
-    return image.convert("RGB")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +80,8 @@ class ImageProcessing:
         model_type or of a family package), its patch, merge and temporal sizes where the config names them.
         For a real checkpoint use for_directory: only its preprocessor_config.json is authoritative."""
         family = model_family(config)
+        if family in TILED_FAMILIES:
+            return _tiling(config)
         if family not in FAMILY_DEFAULTS:
             raise ValueError(f"no image preprocessing known for model family {family!r} "
                              f"(known: {', '.join(FAMILY_DEFAULTS)})")
@@ -103,6 +94,8 @@ class ImageProcessing:
         keeps this repository's defaults (for_model) without reading the file, as its training and generation
         always did (its published file says max_pixels 12845056, the default here is 28*28*1280)."""
         family = model_family(config)
+        if family in TILED_FAMILIES:
+            return _tiling(config, directory)
         if family == "qwen2_5_vl" or family not in FAMILY_DEFAULTS:
             return cls.for_model(config)  # (for_model names an unknown family)
         path = Path(directory) / (VIDEO_PREPROCESSOR_CONFIG if video else PREPROCESSOR_CONFIG)
@@ -197,6 +190,17 @@ QWEN2_5_VL = ImageProcessing()
 QWEN3_VL = ImageProcessing(patch_size=16, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
                            min_pixels=65536, max_pixels=16777216)
 FAMILY_DEFAULTS = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL, "qwen3_vl_moe": QWEN3_VL}
+TILED_FAMILIES = ("internvl", "internvl_chat")  # InternVL: dynamic tiling (models/internvl/tiles.Tiling)
+
+
+def _tiling(config, directory=None):
+    """InternVL's Tiling for our config (a converted checkpoint's preprocessor_config.json where `directory` is
+    given, required there; the -hf values at the model's tile size for a tiny model)."""
+    from mm_adaptor.models.internvl import config_from_hf
+    from mm_adaptor.models.internvl.tiles import Tiling
+
+    model = config_from_hf(config) if isinstance(config, dict) else config
+    return Tiling.for_model(model, Tiling.for_directory(directory) if directory is not None else None)
 
 
 def model_family(config) -> str | None:
@@ -303,14 +307,3 @@ def _model_sizes(config) -> dict:
                 if value is not None and ours not in sizes:
                     sizes[ours] = int(value)
     return sizes
-
-
-def _refuse_unsupported(config: dict) -> None:
-    # what this module does not implement: one line naming the setting
-    settings = {"do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True, "resample": 3}
-    for name, wanted in settings.items():
-        if name in config and config[name] is not None and config[name] != wanted:
-            raise ValueError(f"preprocessor config {name}={config[name]!r} is not supported (only {wanted!r})")
-    factor = config.get("rescale_factor")
-    if factor is not None and not math.isclose(float(factor), 1 / 255, rel_tol=1e-9):
-        raise ValueError(f"preprocessor config rescale_factor={factor} is not supported (only 1/255)")

@@ -65,6 +65,9 @@ SPECS = {spec.name: spec for spec in (
               ("qwen3_vl",), {"moe": False}, has_tiny=True),
     ModelSpec("qwen3_vl_moe", "Qwen3-VL-MoE", _VLM, "mm_adaptor.models.qwen3_vl",
               "mm_adaptor.models.qwen3_vl.mapping", ("qwen3_vl_moe",), {"moe": True}, has_tiny=True),
+    ModelSpec("internvl", "InternVL (InternViT + Qwen2/Qwen3; native and OpenGVLab checkpoints)", _VLM,
+              "mm_adaptor.models.internvl", "mm_adaptor.models.internvl.mapping", ("internvl", "internvl_chat"),
+              has_tiny=True),
 )}
 
 

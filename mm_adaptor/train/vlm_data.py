@@ -41,14 +41,20 @@ class SyntheticBatches(_Batches):
     def sample(self, index: int):
         import torch
 
+        from mm_adaptor.models import family_package
+
         c, length = self.config, self.args.seq_length
         gen = torch.Generator().manual_seed(self.args.seed * 1_000_003 + index)
-        patches = self.GRID[0] * self.GRID[1] * self.GRID[2]
-        pixels = torch.randn(patches, c.patch_dim, generator=gen)
-        merged = patches // c.spatial_merge_size**2
+        visual = getattr(family_package(c), "synthetic_visual", None)  # a family without image grids (InternVL)
+        if visual is not None:
+            prompt, pixels = visual(c, gen)
+        else:
+            patches = self.GRID[0] * self.GRID[1] * self.GRID[2]
+            pixels = torch.randn(patches, c.patch_dim, generator=gen)
+            merged = patches // c.spatial_merge_size**2
+            prompt = [c.vision_start_token_id] + [c.image_token_id] * merged + [c.vision_start_token_id + 1]
         start = int(torch.randint(0, self.ALPHABET, (1,), generator=gen))
         stride = int(torch.randint(1, 8, (1,), generator=gen))
-        prompt = [c.vision_start_token_id] + [c.image_token_id] * merged + [c.vision_start_token_id + 1]
         text = ((start + stride * torch.arange(length + 1 - len(prompt))) % self.ALPHABET).tolist()
         seq = torch.tensor(prompt + text)
         mask = torch.zeros(length)
@@ -58,12 +64,13 @@ class SyntheticBatches(_Batches):
     def sample_batch(self, indices):
         import torch
 
-        from mm_adaptor.models import rope_index_for
+        from mm_adaptor.models import family_package, rope_index_for
 
         seqs, pixels, masks = zip(*(self.sample(i) for i in indices))
         seqs = torch.stack(seqs)
         input_ids = seqs[:, :-1].contiguous()
-        grid = torch.tensor([self.GRID] * len(indices))
+        grid = None if hasattr(family_package(self.config), "synthetic_visual") else \
+            torch.tensor([self.GRID] * len(indices))
         positions, _ = rope_index_for(self.config, input_ids, grid)
         return {"input_ids": input_ids, "labels": seqs[:, 1:].contiguous(), "loss_mask": torch.stack(masks),
                 "position_ids": positions, "pixel_values": torch.cat(pixels), "image_grid_thw": grid,

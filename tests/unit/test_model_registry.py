@@ -13,7 +13,7 @@ TRAIN = Path(__file__).resolve().parents[2] / "mm_adaptor" / "train"
 
 
 def test_every_family_is_a_choice_of_model_and_has_driver_hooks():
-    assert set(registry.SPECS) == {"gpt", "hybrid", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"}
+    assert set(registry.SPECS) == {"gpt", "hybrid", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "internvl"}
     choices = registry.model_choices()
     for spec in registry.SPECS.values():
         assert spec.name in choices and (spec.name + "-tiny" in choices) == spec.has_tiny
