@@ -37,3 +37,29 @@ def common_fields(c, normalization: str) -> dict:
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, cuda_graph_scope=[],
         **c.extra,
     )
+
+
+def stage_split(c) -> list[int]:
+    """Language layers per pipeline stage: c.pipeline_layers, or megatron's even split. ValueError names a split
+    that is not pipeline_model_parallel_size stages of c.num_layers in all, or whose middle stages differ (megatron
+    takes a first and a last stage size, the rest even)."""
+    pp = c.pipeline_model_parallel_size
+    if c.pipeline_layers is None:
+        if c.num_layers % pp:
+            raise ValueError(f"{c.num_layers} language layers do not split evenly over {pp} pipeline stages; "
+                             "give pipeline_layers")
+        return [c.num_layers // pp] * pp
+    split = list(c.pipeline_layers)
+    if len(split) != pp or sum(split) != c.num_layers:
+        raise ValueError(f"pipeline_layers {split} must give {pp} stages {c.num_layers} layers in all")
+    if len(set(split[1:-1])) > 1:
+        raise ValueError(f"pipeline_layers {split}: the middle stages must hold as many layers each")
+    return split
+
+
+def uneven_stages(c) -> dict:
+    """The TransformerConfig fields of c.pipeline_layers (none for megatron's even split)."""
+    if c.pipeline_layers is None or c.pipeline_model_parallel_size == 1:
+        return {}
+    split = stage_split(c)
+    return dict(num_layers_in_first_pipeline_stage=split[0], num_layers_in_last_pipeline_stage=split[-1])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from mm_adaptor.models.megatron_config import activation, common_fields
+from mm_adaptor.models.megatron_config import activation, common_fields, uneven_stages
 
 NATIVE, ORIGINAL = "internvl", "internvl_chat"
 LANGUAGE_MODELS = ("qwen2", "qwen3")
@@ -315,17 +315,7 @@ def language_transformer_config(c: InternVLConfig):
     from megatron.core.transformer import TransformerConfig
 
     validate(c)
-    kwargs = {}
-    if c.pipeline_layers is not None:
-        split = list(c.pipeline_layers)
-        if len(split) != c.pipeline_model_parallel_size or sum(split) != c.num_layers:
-            raise ValueError(f"pipeline_layers {split} must give {c.pipeline_model_parallel_size} stages "
-                             f"{c.num_layers} layers in all")
-        middle = split[1:-1]
-        if middle and len(set(middle)) != 1:
-            raise ValueError(f"pipeline_layers {split}: the middle stages must hold as many layers each")
-        if len(split) > 1:
-            kwargs.update(num_layers_in_first_pipeline_stage=split[0], num_layers_in_last_pipeline_stage=split[-1])
+    kwargs = uneven_stages(c)
     qwen3 = c.language_model_type == "qwen3"
     return TransformerConfig(
         num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from mm_adaptor.models.megatron_config import ACTIVATIONS, activation, common_fields
+from mm_adaptor.models.megatron_config import ACTIVATIONS, activation, common_fields, stage_split, uneven_stages
 
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
@@ -106,26 +106,11 @@ def validate(c: Qwen3VLConfig) -> Qwen3VLConfig:
     elif c.expert_model_parallel_size != 1:
         raise ValueError(f"expert_model_parallel_size {c.expert_model_parallel_size} on a dense model (no experts)")
     deepstack = len(c.deepstack_visual_indexes) if c.deepstack else 0
-    first = _stage_split(c)[0]
+    first = stage_split(c)[0]
     if first < deepstack:
         raise ValueError(f"the first pipeline stage holds {first} language layers, DeepStack needs the first "
                          f"{deepstack} there (pipeline_layers)")
     return c
-
-
-def _stage_split(c: Qwen3VLConfig) -> list[int]:
-    pp = c.pipeline_model_parallel_size
-    if c.pipeline_layers is None:
-        if c.num_layers % pp:
-            raise ValueError(f"{c.num_layers} language layers do not split evenly over {pp} pipeline stages; "
-                             "give pipeline_layers")
-        return [c.num_layers // pp] * pp
-    split = list(c.pipeline_layers)
-    if len(split) != pp or sum(split) != c.num_layers:
-        raise ValueError(f"pipeline_layers {split} must give {pp} stages {c.num_layers} layers in all")
-    if len(split) > 2 and len(set(split[1:-1])) != 1:
-        raise ValueError(f"pipeline_layers {split}: the middle stages must hold as many layers each")
-    return split
 
 
 def config_from_hf(hf_config: dict, **overrides) -> Qwen3VLConfig:
@@ -279,10 +264,7 @@ def language_transformer_config(c: Qwen3VLConfig):
     from megatron.core.transformer import TransformerConfig
 
     validate(c)
-    kwargs = {}
-    split = _stage_split(c)
-    if c.pipeline_layers is not None and len(split) > 1:
-        kwargs.update(num_layers_in_first_pipeline_stage=split[0], num_layers_in_last_pipeline_stage=split[-1])
+    kwargs = uneven_stages(c)
     if c.is_moe:
         kwargs.update(
             num_moe_experts=c.num_experts, moe_router_topk=c.num_experts_per_tok,
