@@ -3,7 +3,7 @@ overlapped with the matmuls of the other chunks."""
 
 from collections import Counter
 
-from mm_adaptor.core.features import Feature, FeatureConfigError, Flag, Tolerance, register, require_local_spec
+from mm_adaptor.core.features import Feature, Flag, Tolerance, refuse_unless_local_spec, register
 from mm_adaptor.core.verification import (BASE_RELEASE, NO_GPU, PIP_0_17_1, PIP_0_18_2, TP2_DISTOPT, fake_npu_check,
                                      same_everywhere)
 
@@ -54,10 +54,7 @@ class ComputeOverlappedCommunication(Feature):
         return any(getattr(options, dest, None) for dest in ("use_coc", "use_ascend_coc", "coc_parallel_num"))
 
     def validate(self, options):
-        refusal = refusal_for(options)
-        if refusal:
-            raise FeatureConfigError(refusal)
-        require_local_spec(self, options)
+        refuse_unless_local_spec(self, options, refusal_for(options))
 
     def statistics(self):
         return {f"chunked {kind} calls": n for kind, n in sorted(self.chunked_calls.items())} or None

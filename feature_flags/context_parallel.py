@@ -2,7 +2,7 @@
 [--ulysses-degree-in-cp U] (MindSpeed's names): context parallelism on the local spec, whose DotProductAttention
 megatron-core builds only at CP 1."""
 
-from mm_adaptor.core.features import Feature, FeatureConfigError, Flag, Tolerance, register, require_local_spec
+from mm_adaptor.core.features import Feature, Flag, Tolerance, refuse_unless_local_spec, register
 from mm_adaptor.core.verification import BASE_RELEASE, NO_GPU, ON_0_19_2, same_everywhere
 
 SIZE, ALGO, ULYSSES = "--context-parallel-size", "--context-parallel-algo", "--ulysses-degree-in-cp"
@@ -49,10 +49,7 @@ class ContextParallel(Feature):
             getattr(options, "ulysses_degree_in_cp", None) is not None
 
     def validate(self, options):
-        refusal = refusal_for(options)
-        if refusal:
-            raise FeatureConfigError(refusal)
-        require_local_spec(self, options)
+        refuse_unless_local_spec(self, options, refusal_for(options))
 
     def statistics(self):
         return {f"{algo} attention calls": n for algo, n in sorted(self.calls.items())} or None

@@ -4,9 +4,7 @@ Megatron, in the same three comparisons as Qwen2.5-VL (test_vlm_features.GROUPS:
 each member's wrappers seen running. Measured 2026-11-26: all three pass, 22 s + 5 s + 4 s."""
 
 import pytest
-from test_vlm_features import FEATURES, GROUPS, _ran
-
-from mm_adaptor import harness
+from test_vlm_features import FEATURES, GROUPS, assert_group_serves
 
 pytestmark = pytest.mark.distributed
 
@@ -15,11 +13,4 @@ INTERNVL = ["--model", "internvl-tiny", "--micro-batch-size", "1"]
 
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_features_serve_internvl_within_their_tolerance(group):
-    flags, base, exact = GROUPS[group]
-    result = harness.compare(flags, layout="tp2-sp", extra_args=[*INTERNVL, *base], iters=3)
-    assert result.passed, harness.format_comparison(result)
-    assert result.tolerance.exact == exact
-    calls = result.memory_on["patch_calls"]
-    for name in FEATURES[group]:
-        assert name in calls, f"{name} was not applied"
-        assert _ran(calls[name]), f"{name}'s wrappers never ran: {calls[name]}"
+    assert_group_serves(INTERNVL, *GROUPS[group], FEATURES[group])

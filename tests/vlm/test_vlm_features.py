@@ -47,28 +47,26 @@ def _ran(calls: dict) -> bool:
     return sum(counted) > 0 if counted else True  # replacements only: applied is all there is to see
 
 
-@pytest.mark.parametrize("group", list(GROUPS))
-def test_features_serve_the_vlm_within_their_tolerance(group):
-    flags, base, exact = GROUPS[group]
-    result = harness.compare(flags, layout="tp2-sp", extra_args=[*VLM, *base], iters=3)
-    assert result.passed, harness.format_comparison(result)
-    assert result.tolerance.exact == exact
-    calls = result.memory_on["patch_calls"]
-    for name in FEATURES[group]:
-        assert name in calls, f"{name} was not applied"
-        assert _ran(calls[name]), f"{name}'s wrappers never ran: {calls[name]}"
-
-
-@pytest.mark.parametrize("group", list(QWEN3_GROUPS))
-def test_features_serve_qwen3_vl_moe_within_their_tolerance(group):
-    flags, base, exact, names = QWEN3_GROUPS[group]
-    result = harness.compare(flags, layout="tp2-sp", extra_args=[*MOE, *base], iters=3)
+def assert_group_serves(model, flags, base, exact, names) -> dict:
+    """check at TP2 + SP passes within the declared tolerance and each named feature's wrappers ran; the calls."""
+    result = harness.compare(flags, layout="tp2-sp", extra_args=[*model, *base], iters=3)
     assert result.passed, harness.format_comparison(result)
     assert result.tolerance.exact == exact
     calls = result.memory_on["patch_calls"]
     for name in names:
         assert name in calls, f"{name} was not applied"
         assert _ran(calls[name]), f"{name}'s wrappers never ran: {calls[name]}"
+    return calls
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_features_serve_the_vlm_within_their_tolerance(group):
+    assert_group_serves(VLM, *GROUPS[group], FEATURES[group])
+
+
+@pytest.mark.parametrize("group", list(QWEN3_GROUPS))
+def test_features_serve_qwen3_vl_moe_within_their_tolerance(group):
+    calls = assert_group_serves(MOE, *QWEN3_GROUPS[group])
     if group == "kernels":  # the experts themselves went through the grouped GEMM
         assert calls["fused-gmm"]["megatron.core.transformer.moe.experts.SequentialMLP.forward"] > 0
 
