@@ -3,7 +3,9 @@
 megatron-core builds only at CP 1."""
 
 from mm_adaptor.core.features import Feature, Flag, Tolerance, refuse_unless_local_spec, register
-from mm_adaptor.core.verification import BASE_RELEASE, NO_GPU, ON_0_19_2, same_everywhere
+from mm_adaptor.core.verification import (
+    BASE_RELEASE, CP2_RING, NO_GPU, ON_0_19_2, fake_npu_check, same_everywhere,
+)
 
 SIZE, ALGO, ULYSSES = "--context-parallel-size", "--context-parallel-algo", "--ulysses-degree-in-cp"
 ALGOS = ("ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo")
@@ -14,7 +16,7 @@ ATTENTION = "megatron.core.transformer.dot_product_attention.DotProductAttention
 class ContextParallel(Feature):
     name = "context-parallel"
     verified_on = {"0.16.1": BASE_RELEASE, "0.19.0": ON_0_19_2}
-    devices = same_everywhere(NO_GPU)
+    devices = same_everywhere(NO_GPU, fake_npu_check(CP2_RING))
     refusal_probes = (
         ("Ulysses with heads that do not divide", {"context_parallel_size": 2, "context_parallel_algo":
                                                    "ulysses_cp_algo", "num_attention_heads": 3}),

@@ -51,6 +51,7 @@ def fake_npu_check(layout: str, kernels: str = "") -> Record:
 TP2_DISTOPT = "TP2+SP with the distributed optimizer"
 EP2_BF16 = "EP2 MoE in bf16"
 PP2_VPP = "PP2 with VPP2"
+CP2_RING = "CP2, the ring (HCCL point-to-point)"
 CUDA_COMPILED = "CUDA kernels compile-checked with nvcc; " + NO_GPU
 STREAMS_ON_CPU = "side streams, events and pinned memory ran only as the CPU backend's no-ops; " + NO_GPU
 H100_SESSION = "one H100, 2026-11-26 (benchmarks/RESULTS.md#first-gpu-session-one-h100)"

@@ -56,8 +56,8 @@ class HybridRun(composition.Run):
 
 def runs() -> list[HybridRun]:
     """Two ranks each: the exact serving features in one run (a virtual pipeline if one needs it), the inexact ones
-    that need no experts in one TP2+SP run, and on MoE layers ('*E*E', EP2) those that need experts with the exact
-    ones that act per layer again."""
+    that need no experts in one TP2+SP run (one refused beside them in a run of its own), and on MoE layers
+    ('*E*E', EP2) those that need experts with the exact ones that act per layer again."""
     needs = {f.name: composition.needs_of(f).parallel for f in SERVING}
     exact = tuple(f for f in SERVING if f.tolerance.exact)
     dense = tuple(f for f in SERVING if not f.tolerance.exact and "moe" not in needs[f.name])
@@ -66,8 +66,13 @@ def runs() -> list[HybridRun]:
     groups = []
     if exact:
         groups.append(HybridRun(exact, frozenset().union(*(needs[f.name] for f in exact))))
-    if dense:
-        groups.append(HybridRun(dense, frozenset({"tp"}).union(*(needs[f.name] for f in dense))))
+    together, alone = [], []  # a feature refused beside the others (context parallelism beside flash attention)
+    for feature in dense:
+        parallel = frozenset({"tp"}).union(*(needs[f.name] for f in (*together, feature)))
+        (together if composition.refusal((*together, feature), parallel) is None else alone).append(feature)
+    if together:
+        groups.append(HybridRun(tuple(together), frozenset({"tp"}).union(*(needs[f.name] for f in together))))
+    groups += [HybridRun((feature,), needs[feature.name]) for feature in alone]
     if moe:
         groups.append(HybridRun(moe, frozenset({"moe"}).union(*(needs[f.name] for f in moe))))
     return groups

@@ -1,4 +1,4 @@
-"""`mm-adaptor check` on the FAKE npu device for every feature that applies there: three grouped runs (features that
+"""`mm-adaptor check` on the FAKE npu device for every feature that applies there: four grouped runs (features that
 validate together share one, as in mm_adaptor.harness.composition), each judged against unpatched Megatron on the
 same fake device, with the fake's counters showing that the NPU kernels ran (torch_npu's fused ops, HCCL). The
 fake's numerics are the CPU's, so this checks the NPU code paths and the backend under every feature, not Ascend
@@ -26,6 +26,8 @@ RUNS = {
     "ep2_moe_bf16": (["--use-fused-gmm", "--reuse-fp32-param"],
                      ["--num-layers", "2", "--num-experts", "4", "--expert-model-parallel-size", "2", *MODEL,
                       "--moe-grouped-gemm", "--disable-bias-linear", "--bf16"]),
+    "cp2_ring": (["--context-parallel-size", "2", "--context-parallel-algo", "megatron_cp_algo"],
+                 ["--num-layers", "2", "--tensor-model-parallel-size", "1", "--nproc-per-node", "2", *MODEL]),
     "pp2_vpp": (["--vpp-extra-warmup"],
                 ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
                  "1", "--global-batch-size", "8", *MODEL]),
@@ -37,6 +39,7 @@ KERNELS = {
                        "npu_fusion_attention_grad"),
     "ep2_moe_bf16": ("npu_grouped_matmul",),
     "pp2_vpp": (),
+    "cp2_ring": (),  # HCCL's point-to-point sends (the ring), no torch_npu kernel
 }
 NOT_ON_THE_FAKE = {
     "virtual-optimizer": "its NPU path refuses (ops/host_mapped.py): torch_npu's swapped-memory tensors take only "
@@ -91,7 +94,7 @@ def test_verification_records_of_the_npu_say_what_this_module_ran():
     from mm_adaptor.core import verification
     by_flag = _flag_to_feature()
     layouts = {"tp2_sp_distopt": verification.TP2_DISTOPT, "ep2_moe_bf16": verification.EP2_BF16,
-               "pp2_vpp": verification.PP2_VPP}
+               "pp2_vpp": verification.PP2_VPP, "cp2_ring": verification.CP2_RING}
     for run, (flags, _) in RUNS.items():
         for feature in {by_flag[t] for t in flags if t in by_flag}:
             record = verification.record(feature, "npu")
