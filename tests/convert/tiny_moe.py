@@ -14,7 +14,8 @@ from mm_adaptor.convert.rules import Family, Rule
 SIZES = dict(layers=2, experts=4, hidden=32, heads=4, groups=2, inner=24, vocab=64)
 
 
-def family(config: dict) -> Family:
+def family(config: dict, layout: str | None = None, writing: bool = False) -> Family:
+    """checkpoint_family's stand-in (one layout: layout and writing change nothing)."""
     s = {**SIZES, **config.get("sizes", {})}
     head_dim = s["hidden"] // s["heads"]
     llm, lyr = "language_model.decoder.layers.{i}.", "model.layers.{i}."
