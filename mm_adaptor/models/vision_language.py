@@ -39,6 +39,19 @@ class VisionLanguageModel(MegatronModule):
             scatter_embedding_sequence_parallel=False, vp_stage=vp_stage,
         )
 
+    FAMILY = ""  # the family's name in messages
+
+    @classmethod
+    def stage(cls, config, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+              parallel_output: bool = True):
+        """This rank's stage of the model (megatron's parallel state must be initialised, with the expert sizes of
+        the config for MoE). For a Megatron-LM script: functools.partial(model_provider, config) is a
+        (pre_process, post_process, vp_stage) provider; each family's model_provider is this."""
+        if vp_stage is not None:
+            raise ValueError(f"{cls.FAMILY}: virtual pipeline stages are not supported yet")
+        return cls(config, pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
+                   vp_stage=vp_stage)
+
     def build_vision(self, config) -> None:
         raise NotImplementedError
 

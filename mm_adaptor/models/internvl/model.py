@@ -18,6 +18,8 @@ from mm_adaptor.models.vision_language import VisionLanguageModel
 class InternVLModel(VisionLanguageModel):
     """VisionLanguageModel with 1-D positions; pixel_values [tiles, 3, S, S] in the order of their pads (no grid)."""
 
+    FAMILY = "InternVL"
+
     def __init__(self, config: InternVLConfig, pre_process: bool = True, post_process: bool = True,
                  parallel_output: bool = True, vp_stage: int | None = None):
         refuse_unbuilt_impl(validate(config))
@@ -39,11 +41,4 @@ class InternVLModel(VisionLanguageModel):
         return self.vision_projection(self.vision_model(pixels)), None
 
 
-def model_provider(config: InternVLConfig, pre_process: bool = True, post_process: bool = True,
-                   vp_stage: int | None = None, parallel_output: bool = True) -> InternVLModel:
-    """This rank's InternVL stage (megatron's parallel state must be initialised). For a Megatron-LM script:
-    functools.partial(model_provider, config) is a (pre_process, post_process, vp_stage) provider."""
-    if vp_stage is not None:
-        raise ValueError("InternVL: virtual pipeline stages are not supported yet")
-    return InternVLModel(config, pre_process=pre_process, post_process=post_process,
-                         parallel_output=parallel_output, vp_stage=vp_stage)
+model_provider = InternVLModel.stage

@@ -16,6 +16,8 @@ from mm_adaptor.models.vision_language import VisionLanguageModel
 class Qwen25VLModel(VisionLanguageModel):
     """VisionLanguageModel with position_ids [3, b, s] from positions.rope_index."""
 
+    FAMILY = "Qwen2.5-VL"
+
     def __init__(self, config: Qwen25VLConfig, pre_process: bool = True, post_process: bool = True,
                  parallel_output: bool = True, vp_stage: int | None = None):
         refuse_unbuilt_impl(config)
@@ -37,11 +39,4 @@ class Qwen25VLModel(VisionLanguageModel):
         return self.vision_embeddings(pixels, grid), None
 
 
-def model_provider(config: Qwen25VLConfig, pre_process: bool = True, post_process: bool = True,
-                   vp_stage: int | None = None, parallel_output: bool = True) -> Qwen25VLModel:
-    """This rank's Qwen2.5-VL stage (megatron's parallel state must be initialised). For a Megatron-LM script:
-    functools.partial(model_provider, config) is a (pre_process, post_process, vp_stage) provider."""
-    if vp_stage is not None:
-        raise ValueError("Qwen2.5-VL: virtual pipeline stages are not supported yet")
-    return Qwen25VLModel(config, pre_process=pre_process, post_process=post_process,
-                         parallel_output=parallel_output, vp_stage=vp_stage)
+model_provider = Qwen25VLModel.stage

@@ -100,6 +100,8 @@ class Qwen3VLModel(VisionLanguageModel):
     """VisionLanguageModel with position_ids [3, b, s] from the interleaved rope index; the first stage also holds
     the DeepStack mergers, whose features the first language layers add at the visual tokens."""
 
+    FAMILY = "Qwen3-VL"
+
     def __init__(self, config: Qwen3VLConfig, pre_process: bool = True, post_process: bool = True,
                  parallel_output: bool = True, vp_stage: int | None = None):
         refuse_unbuilt_impl(config)
@@ -159,12 +161,4 @@ def _deepstack_block_kwargs(visual, sequence_parallel: bool) -> dict:
     return {"context": features, "context_mask": mask}
 
 
-def model_provider(config: Qwen3VLConfig, pre_process: bool = True, post_process: bool = True,
-                   vp_stage: int | None = None, parallel_output: bool = True) -> Qwen3VLModel:
-    """This rank's Qwen3-VL stage (megatron's parallel state must be initialised, with the expert model and
-    expert tensor parallel sizes of the config for MoE). For a Megatron-LM script: functools.partial(model_provider,
-    config) is a (pre_process, post_process, vp_stage) provider."""
-    if vp_stage is not None:
-        raise ValueError("Qwen3-VL: virtual pipeline stages are not supported yet")
-    return Qwen3VLModel(config, pre_process=pre_process, post_process=post_process,
-                        parallel_output=parallel_output, vp_stage=vp_stage)
+model_provider = Qwen3VLModel.stage
