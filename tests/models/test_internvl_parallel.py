@@ -1,7 +1,8 @@
 """Our InternVL over 2 gloo ranks gives transformers' fp32 logits, all layouts in one launch: TP2 with sequence
 parallelism for both InternViT variants (the 6B class's QK-norm sums its mean square across the TP ranks) and PP2
-uneven (3 + 1 language layers; InternViT and the projector on the first stage). Measured relative errors: as at
-TP1 (test_internvl_logits), 2.5e-7 .. 3.0e-7 with images, text only bit-equal at PP2; tolerance FP32_TOLERANCE."""
+uneven for both (3 + 1 and 1 + 3 language layers; InternViT and the projector on the first stage). Measured relative
+errors: as at TP1 (test_internvl_logits), 2.5e-7 .. 3.0e-7 with images, text only bit-equal at PP2; tolerance
+FP32_TOLERANCE."""
 
 import dataclasses
 
@@ -19,6 +20,7 @@ LAYOUTS = {  # name: (variant, InternVLConfig fields)
     "300m_tp2_sp": ("300m", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
     "6b_tp2_sp": ("6b", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
     "300m_pp2_uneven": ("300m", dict(pipeline_model_parallel_size=2, pipeline_layers=[3, 1])),
+    "6b_pp2_uneven": ("6b", dict(pipeline_model_parallel_size=2, pipeline_layers=[1, 3])),
 }
 PROMPTS = ["text_only", "one_tile", "tiles_and_thumbnail", "two_images"]
 
