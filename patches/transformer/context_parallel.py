@@ -21,7 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from mm_adaptor.core.sequence_split import chunks_of, local_half  # noqa: F401  (tests read local_half here)
+from mm_adaptor.core.sequence_split import chunks_of
 
 BLOCK_ELEMENTS = 1 << 22
 

@@ -11,6 +11,8 @@ import torch
 
 from gloo_rank import a_rank, run_ranks
 
+from mm_adaptor.core.sequence_split import local_half
+
 pytestmark = pytest.mark.distributed
 
 SEQ, BATCH, HEADS, KV_HEADS, DIM = 32, 2, 4, 2, 8
@@ -51,7 +53,7 @@ def _rank_main(workdir):
             rings = world // ulysses
             ulysses_groups = [dist.new_group(list(range(g * ulysses, (g + 1) * ulysses))) for g in range(rings)]
             ring_groups = [dist.new_group(list(range(j, world, ulysses))) for j in range(ulysses)]
-            q, k, v, weight = (cp.local_half(case[x], rank, world).to(getattr(torch, dtype)).requires_grad_()
+            q, k, v, weight = (local_half(case[x], rank, world).to(getattr(torch, dtype)).requires_grad_()
                                for x in ("q", "k", "v", "weight"))
             head_order = list(reversed(range(ulysses))) if broken == "head_order" else None
             out = cp.context_parallel_attention(q, k, v, ulysses_groups[rank // ulysses], ring_groups[rank % ulysses],
@@ -76,8 +78,6 @@ def runs(tmp_path_factory):
 
 
 def _worst_error(runs, name) -> float:
-    from mm_adaptor.patches.transformer.context_parallel import local_half
-
     ranks, expected = runs
     world = CASES[name][0]
     worst = 0.0
