@@ -1,13 +1,15 @@
 """Deliberately wrong context parallelism for the harness's self-test (loaded into the training ranks through
 MM_ADAPTOR_FEATURE_MODULES), each beside the real --context-parallel-size 2: a ring that forgets the causal mask of
-its diagonal blocks (each token also sees the later tokens of its own chunk), and Ulysses that gathers the heads in
-the wrong order."""
+its diagonal blocks (each token also sees the later tokens of its own chunk), a ring whose softmax scale is 0.1%
+too large (a subtle forward error), and Ulysses that gathers the heads in the wrong order."""
 
 from mm_adaptor.core.features import Feature, Flag, register
 
 
-def _wrong(**broken):
+def _wrong(scale_factor: float = 1.0, **broken):
     def wrapper(wrapped, instance, args, kwargs):
+        if scale_factor != 1.0:
+            broken["scale"] = kwargs["scale"] * scale_factor
         return wrapped(*args, **{**kwargs, **broken})
     return wrapper
 
@@ -37,3 +39,11 @@ class UlyssesHeadsMisordered(_BrokenContextParallel):
     description = "--context-parallel-algo ulysses_cp_algo gathering the heads in reverse order"
     flags = (Flag("--use-test-broken-cp-ulysses-heads", description),)
     broken = {"head_order": [1, 0]}
+
+
+@register
+class RingWithScoresOffByALittle(_BrokenContextParallel):
+    name = "test-broken-cp-ring-scale"
+    description = "--context-parallel-algo megatron_cp_algo with the softmax scale 0.1% too large"
+    flags = (Flag("--use-test-broken-cp-ring-scale", description),)
+    broken = {"scale_factor": 1.001}

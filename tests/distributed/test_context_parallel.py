@@ -52,11 +52,15 @@ def test_ring_beside_tp2_sp_and_the_distributed_optimizer():
     assert stats["megatron_cp_algo attention calls"] > 0
 
 
-@pytest.mark.parametrize("broken,algo", [("--use-test-broken-cp-ring-diagonal", "megatron_cp_algo"),
-                                         ("--use-test-broken-cp-ulysses-heads", "ulysses_cp_algo")])
-def test_broken_variant_fails(broken, algo):
+@pytest.mark.parametrize("broken,algo,extra", [("--use-test-broken-cp-ring-diagonal", "megatron_cp_algo", []),
+                                               ("--use-test-broken-cp-ring-diagonal", "megatron_cp_algo", ["--bf16"]),
+                                               ("--use-test-broken-cp-ring-scale", "megatron_cp_algo", []),
+                                               ("--use-test-broken-cp-ulysses-heads", "ulysses_cp_algo", [])],
+                         ids=["ring-diagonal", "ring-diagonal-bf16", "ring-scale", "ulysses-heads"])
+def test_broken_variant_fails(broken, algo, extra):
+    """The 0.1% softmax-scale error is caught in fp32 (by the gradients); in bf16 even 1% is not: at the tiny
+    model's initialisation the scores are near zero, so the scale barely moves the softmax, below bf16's noise."""
     with harness.extra_feature_module("broken_context_parallel_features"):
         result = harness.compare([broken, "--context-parallel-size", "2", "--context-parallel-algo", algo],
-                                 extra_args=BASE, iters=3, nproc=2)
+                                 extra_args=[*BASE, *extra], iters=3, nproc=2)
     assert not result.passed
-    assert result.loss_failures
