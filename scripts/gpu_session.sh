@@ -8,11 +8,14 @@
 #                                                 Llama-2-7B-layer activation memory benchmark (issue 13)
 #   bash scripts/gpu_session.sh optimizer [OUTPUT_DIR]  one-GPU checks of the optimizer-state features (the CUDA
 #                                                 host_mapped_copy op built first) and the 1B benchmark (issue 14)
+#   bash scripts/gpu_session.sh followup [OUTPUT_DIR]  what the first session left open: the fused-kernel check split
+#                                                 by flag, the grouped_matmul segfault alone, the unreached checks;
+#                                                 and issue 40's varlen op on CUDA, packed training and its benchmark
 # Wheels the machine lacks and a trimmed Megatron-LM come from .whl/ and .mlm/, which
 # scripts/gpu_session_prepare.sh fills on the host (carry both).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: gpu_session.sh ops|e2e|activation|optimizer [OUTPUT_DIR]}
+part=${1:?usage: gpu_session.sh ops|e2e|activation|optimizer|followup [OUTPUT_DIR]}
 out=${2:-${OUT:-gpu-results}}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -67,6 +70,33 @@ if [ "$part" = optimizer ]; then
         run "check_${flags// /_}" python3 -m mm_adaptor.cli check --layout single $flags
     done
     bench optimizer_bench python3 "$repo"/benchmarks/optimizer_memory.py --device cuda
+    exit $status
+fi
+if [ "$part" = followup ]; then
+    run build python3 -m mm_adaptor.cli build-ops --device cuda
+    pytest_in_repo() { python3 -m pytest -q -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo" "$@"; }
+    run varlen_tests pytest_in_repo "$repo/tests/ops/test_varlen_attention.py" -rs
+    run gmm_throw_alone pytest_in_repo "$repo/tests/ops/test_ops.py" -k "grouped_matmul_rejects_wrong_counts" -rs
+    if command -v gdb >/dev/null; then
+        run gmm_throw_gdb gdb -q -batch -ex run -ex bt --args python3 -m pytest -q -p no:cacheprovider \
+            -c "$repo/pyproject.toml" --rootdir "$repo" "$repo/tests/ops/test_ops.py" -x
+    else
+        run ops_tests_x python3 -X faulthandler -m pytest -q -p no:cacheprovider -c "$repo/pyproject.toml" \
+            --rootdir "$repo" "$repo/tests/ops/test_ops.py" -x
+    fi
+    model=(--normalization RMSNorm --swiglu --position-embedding-type rope)
+    for flag in --use-fused-rmsnorm --use-fused-swiglu --use-fused-rotary-pos-emb --use-flash-attn; do
+        run "check_${flag#--}" python3 -m mm_adaptor.cli check --layout single "$flag" "${model[@]}"
+    done
+    run check_flash_bf16 python3 -m mm_adaptor.cli check --layout single --use-flash-attn --bf16 "${model[@]}"
+    run check_swap_bf16 python3 -m mm_adaptor.cli check --layout single --swap-attention --swap-min-bytes 0 \
+        --recompute-activation-function --use-fused-swiglu --use-flash-attn --bf16 "${model[@]}"
+    for flags in "--swap-optimizer --use-distributed-optimizer" "--virtual-optimizer --bf16" "--virtual-optimizer"; do
+        run "check_${flags// /_}" python3 -m mm_adaptor.cli check --layout single $flags
+    done
+    run train_packed_bf16 python3 -m mm_adaptor.cli train --nproc-per-node 1 --train-iters 10 --packing \
+        --mock-lengths skewed --seq-length 1024 --micro-batch-size 1 --global-batch-size 16 --bf16 "${model[@]}"
+    echo "exit status $status; logs in $out"
     exit $status
 fi
 run report python3 -m mm_adaptor.cli report

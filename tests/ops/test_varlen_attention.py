@@ -328,3 +328,29 @@ def test_vision_tower_on_varlen_equals_dense_masks_and_keeps_no_square(megatron_
     torch.testing.assert_close(varlen["hidden"], dense["hidden"], rtol=1e-5, atol=1e-5)
     for name, grad in varlen["grads"].items():
         torch.testing.assert_close(grad, dense["grads"][name], rtol=1e-5, atol=1e-5 * float(grad.abs().max()))
+
+
+CUDA_CASES = [(torch.bfloat16, True, None), (torch.bfloat16, False, None), (torch.float16, True, (3, 0)),
+              (torch.bfloat16, False, (2, 1)), (torch.float32, True, None)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (scripts/gpu_session.sh runs it on one)")
+@pytest.mark.parametrize("dtype,causal,window", CUDA_CASES, ids=str)
+def test_cuda_matches_dense_attention_per_segment(monkeypatch, dtype, causal, window):
+    """On CUDA, half and bfloat16 go through torch's flash varlen kernel (float32: the reference), forward, lse and
+    the augmented backward; against the float64 dense reference on the CPU, bf16 tolerance for both half types."""
+    calls = []
+    for name in ("_flash_attention_forward", "_flash_attention_backward"):
+        kernel = getattr(torch.ops.aten, name)
+        monkeypatch.setattr(torch.ops.aten, name, lambda *a, kernel=kernel, name=name, **k: calls.append(name)
+                            or kernel(*a, **k))
+    q, k, v, cu_q, cu_k = inputs(dtype)
+    qc, kc, vc = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+    out, lse = run_op(qc, kc, vc, cu_q.cuda(), cu_k.cuda(), causal, window)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = dense(qd, kd, vd, cu_q, cu_k, causal, window, D ** -0.5)
+    compare((out.cpu(), lse.cpu()), (ref_out, ref_lse), torch.bfloat16 if dtype != torch.float32 else dtype)
+    got = [g.cpu() for g in gradients(out.cpu(), lse.cpu(), qc, kc, vc)]
+    compare(got, gradients(ref_out, ref_lse, qd, kd, vd), torch.bfloat16 if dtype != torch.float32 else dtype)
+    flash = dtype != torch.float32 and torch.cuda.get_device_capability() >= (8, 0)
+    assert calls == (["_flash_attention_forward", "_flash_attention_backward"] if flash else []), calls
