@@ -152,14 +152,23 @@ def _environment() -> dict[str, str]:
             if k not in _NOT_READ_AT_IMPORT and not k.startswith(_NOT_READ_AT_IMPORT_PREFIXES)}
 
 
+def _ranks_run_on_cuda() -> bool:
+    """CUDA ranks are spawned: megatron-core's imports ask torch.cuda.is_available() at module level, which registers
+    torch's fork guard in the server, and a rank forked from it then cannot initialise CUDA (seen on an H100)."""
+    from mm_adaptor import devices
+
+    return devices.choose()[0] == "cuda"
+
+
 def rank_context():
     """The multiprocessing context ranks start in. A spawned rank imports torch and megatron-core afresh (about 4 s
     of CPU each); a rank forked from the server starts with those imports done, and is still a fresh process. The
     server keeps the environment it started with (what torch and megatron read at import), so when the launcher's
     has changed since (another PYTHONPATH, another device), the server is replaced by one started now. Every rank
-    also gets the launcher's environment as it is when it starts."""
+    also gets the launcher's environment as it is when it starts. Ranks on CUDA are spawned (_ranks_run_on_cuda)."""
     global _server_env
-    if os.environ.get(RANK_START_ENV, "fork-server") == "spawn" or "forkserver" not in mp.get_all_start_methods():
+    if (os.environ.get(RANK_START_ENV, "fork-server") == "spawn" or "forkserver" not in mp.get_all_start_methods()
+            or _ranks_run_on_cuda()):
         return mp.get_context("spawn")
     from multiprocessing import forkserver
 

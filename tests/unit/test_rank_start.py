@@ -10,6 +10,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from mm_adaptor.ranks import launcher
 
@@ -109,6 +110,33 @@ def _record_nothing():
 def test_spawn_on_request(monkeypatch):
     monkeypatch.setenv(process.RANK_START_ENV, "spawn")
     assert launcher.rank_context().get_start_method() == "spawn"
+
+
+@pytest.mark.parametrize("device,method", [("cuda", "spawn"), ("cpu", "forkserver")])
+def test_cuda_ranks_are_spawned(monkeypatch, device, method):
+    """A rank forked from the server could not initialise CUDA (megatron's imports poison forks there, below)."""
+    monkeypatch.delenv(process.RANK_START_ENV, raising=False)
+    monkeypatch.setenv("MM_ADAPTOR_DEVICE", device)
+    assert launcher.rank_context().get_start_method() == method
+
+
+def _bad_fork(queue):
+    import torch
+
+    queue.put(torch.cuda._is_in_bad_fork())
+
+
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="torch.cuda is a stub in a CPU-only build of torch")
+def test_a_rank_forked_from_the_server_cannot_use_cuda(monkeypatch):
+    """Why: on a CUDA build of torch the server's megatron imports register torch's fork guard, GPU or not."""
+    monkeypatch.delenv(process.RANK_START_ENV, raising=False)
+    monkeypatch.setenv("MM_ADAPTOR_DEVICE", "cpu")
+    context = launcher.rank_context()
+    queue = context.Queue()
+    rank = context.Process(target=_bad_fork, args=(queue,))
+    rank.start()
+    rank.join(60)
+    assert queue.get(timeout=5) is True
 
 
 _CALLER = textwrap.dedent('''
