@@ -28,7 +28,7 @@ step "install"
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
 fi
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$site" . || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$site" . || exit 1
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
 # Run from outside the checkout: from its root, `python3 -m` would import the source tree's mm_adaptor, whose
 # ops/, patches/ and feature_flags/ sit beside it rather than inside it, instead of the installed package.
