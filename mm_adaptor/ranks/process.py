@@ -155,9 +155,12 @@ def _environment() -> dict[str, str]:
 def _ranks_run_on_cuda() -> bool:
     """CUDA ranks are spawned: megatron-core's imports ask torch.cuda.is_available() at module level, which registers
     torch's fork guard in the server, and a rank forked from it then cannot initialise CUDA (seen on an H100)."""
-    from mm_adaptor import devices
+    forced = os.environ.get("MM_ADAPTOR_DEVICE", "").strip().lower()  # devices.DEVICE_ENV (ranks/ sits below devices/)
+    if forced:
+        return forced == "cuda"
+    import torch
 
-    return devices.choose()[0] == "cuda"
+    return torch.cuda.is_available()
 
 
 def rank_context():
