@@ -13,7 +13,9 @@ written by hand. What goes in them comes from the code, so the documents cannot 
   raises for a probe configuration its declaration lists (refusal_probes; one that no longer refuses is an error);
 - docs/features/<name>.md, block `devices`: the state and evidence of each device and the megatron-core releases
   the feature is verified on, from its declaration (devices, verified_on);
-- docs/devices.md, block `devices-matrix`: every feature's state on every device, and each backend's record.
+- docs/devices.md, block `devices-matrix`: every feature's state on every device, and each backend's record;
+- docs/mindspeed-mm.md, block `mindspeed-mm-arguments`: every argument of MindSpeed-MM's Qwen2.5-VL fine-tuning
+  scripts and what it does here (mm_adaptor/mindspeed_mm/arguments.py).
 
 The features documented are the built-in ones (modules under mm_adaptor.feature_flags); a feature added there
 without a page makes the check fail."""
@@ -214,6 +216,13 @@ def expected(root: Path = ROOT, features=None) -> tuple[dict[Path, str], list[st
         text, missing = fill(devices.read_text(), {"devices-matrix": devices_matrix(features)})
         wanted[devices] = text
         problems += [f"docs/devices.md: no <!-- generated:{name} --> block" for name in missing]
+    migration = root / "docs" / "mindspeed-mm.md"
+    if migration.exists():
+        from mm_adaptor.mindspeed_mm.arguments import markdown_table
+
+        text, missing = fill(migration.read_text(), {"mindspeed-mm-arguments": markdown_table()})
+        wanted[migration] = text
+        problems += [f"docs/mindspeed-mm.md: no <!-- generated:{name} --> block" for name in missing]
     for feature in features:
         path = page_path(root, feature)
         if not path.exists():

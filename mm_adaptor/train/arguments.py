@@ -8,16 +8,36 @@ import argparse
 import os
 from pathlib import Path
 
+from mm_adaptor.convert.mindspeed_mm import is_mm_checkpoint
 from mm_adaptor.core import features
 from mm_adaptor.core.one_line_parser import ArgumentParser
+from mm_adaptor.mindspeed_mm import arguments as mindspeed_mm_arguments
 from mm_adaptor.ranks.warning_digest import ShowEveryWarning
 from mm_adaptor.train import hybrid, vlm
 from mm_adaptor.train.checkpoint_files import MARKER, latest_checkpoint
 from mm_adaptor.train.layout import LayoutError, finalize_args, range_problems  # noqa: F401  (the driver's API)
 
 
+class TrainParser(ArgumentParser):
+    """MindSpeed-MM's arguments (--mm-model, --mm-data, ...) become the driver's flags right after parsing
+    (mm_adaptor.mindspeed_mm): a refusal is the parser's one line, before anything starts."""
+
+    def parse_args(self, args=None, namespace=None):
+        from mm_adaptor import mindspeed_mm
+
+        namespace = super().parse_args(args, namespace)
+        defaults = {action.dest: action.default for action in self._actions}
+        try:
+            notes = mindspeed_mm.apply(namespace, defaults)
+        except ValueError as exc:
+            self.fail(str(exc))
+        if not namespace.silent:
+            mindspeed_mm.print_notes(notes)
+        return namespace
+
+
 def build_parser(prog: str = "mm-adaptor train") -> argparse.ArgumentParser:
-    p = ArgumentParser(prog=prog, description="Train a tiny GPT with Megatron-Core (and the adaptor's features).")
+    p = TrainParser(prog=prog, description="Train a tiny GPT with Megatron-Core (and the adaptor's features).")
     m = p.add_argument_group("model (Megatron-LM names)")
     m.add_argument("--num-layers", type=int, default=4)
     m.add_argument("--hidden-size", type=int, default=64)
@@ -110,6 +130,7 @@ def build_parser(prog: str = "mm-adaptor train") -> argparse.ArgumentParser:
                                                               "included (by default they are counted in one line)")
 
     vlm.add_arguments(p)
+    mindspeed_mm_arguments.add_arguments(p)
     features.add_arguments(p)
     return p
 
@@ -121,6 +142,9 @@ def checkpoint_iteration(directory: str) -> int:
     root = Path(directory)
     if not root.is_dir():
         raise LayoutError(f"--load {directory}: no such directory: give the --save directory of an earlier run")
+    if is_mm_checkpoint(root):  # MindSpeed-MM's torch layout: `release` (0) or an iteration number
+        text = (root / MARKER).read_text().strip()
+        return 0 if text == "release" else int(text)
     marker = root / MARKER
     try:
         iteration = int(marker.read_text().strip())

@@ -75,9 +75,16 @@ def load_checkpoint(state, directory: str, *, load_optim: bool = True, load_rng:
     """Load the latest checkpoint under `directory`; returns its iteration.
 
     load_optim=False (Megatron-LM's --no-load-optim) loads the weights only, e.g. a checkpoint saved before the
-    first step or by a model whose optimizer differs; the optimizer's main params are refreshed from them."""
+    first step or by a model whose optimizer differs; the optimizer's main params are refreshed from them. A
+    MindSpeed-MM checkpoint (convert/mindspeed_mm.py) loads its weights only, and its iteration (0 for release)."""
     from megatron.core import dist_checkpointing
 
+    from mm_adaptor.convert.mindspeed_mm import is_mm_checkpoint, load_mm_checkpoint
+
+    if is_mm_checkpoint(directory):  # MindSpeed-MM's torch layout (mm-convert): weights only
+        iteration = load_mm_checkpoint(directory, [unwrap(chunk) for chunk in state.model], _metadata(state))
+        state.optimizer.reload_model_params()
+        return iteration
     path = latest_checkpoint(directory)
     if path is None:
         raise FileNotFoundError(f"no checkpoint under {directory} (missing {MARKER})")

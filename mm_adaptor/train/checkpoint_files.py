@@ -22,7 +22,10 @@ def latest_checkpoint(directory) -> Path | None:
     marker = Path(directory) / MARKER
     if not marker.exists():
         return None
-    final = checkpoint_dir(directory, int(marker.read_text().strip()))
+    text = marker.read_text().strip()
+    if text == "release":  # Megatron-LM's and MindSpeed-MM's converted checkpoints (convert/mindspeed_mm.py)
+        return Path(directory) / text
+    final = checkpoint_dir(directory, int(text))
     set_aside = _set_aside(final)
     return set_aside if not final.exists() and set_aside.exists() else final
 

@@ -49,6 +49,7 @@ def pipeline_layers(args) -> list[int] | None:
 def freeze(model, args) -> dict:
     """requires_grad False on the frozen towers (before DDP: no gradient buffer, no optimizer state)."""
     towers = (["vision_model"] if args.freeze_vision else []) + (["language_model"] if args.freeze_language else [])
+    towers += ["vision_projection"] if getattr(args, "freeze_projector", False) else []  # --mm-model's freeze
     frozen = 0
     for name, param in model.named_parameters():
         if name.split(".")[0] in towers:
@@ -93,7 +94,8 @@ class VisionLanguage(Gpt):
         if self.tiny:
             config = self.spec.tiny_config(num_layers=args.num_layers, **layout)
         else:
-            config = self.spec.config_from_hf(registry.hf_config_of(args.load), **layout)
+            hf = getattr(args, "hf_config", None) or registry.hf_config_of(args.load)  # --mm-model's, or --load's
+            config = self.spec.config_from_hf(hf, **layout)
         for name in ("expert_model_parallel_size", "context_parallel_size"):
             if any(f.name == name for f in dataclasses.fields(config)):
                 config = dataclasses.replace(config, **{name: getattr(args, name, 1)})
@@ -104,7 +106,7 @@ class VisionLanguage(Gpt):
         if getattr(args, "hybrid_layer_pattern", None) is not None:
             return ["--hybrid-layer-pattern builds a language model: it does not combine with the vision-language "
                     "model's flags"]
-        if not self.tiny:
+        if not self.tiny and not getattr(args, "hf_config", None):
             if not args.load:
                 return [f"--model {model} needs --load MCORE_DIR (written by mm-adaptor convert hf-to-mcore)"]
             if not (Path(args.load) / "hf" / "config.json").is_file():
@@ -201,7 +203,8 @@ class VisionLanguage(Gpt):
             shutil.copytree(source, target, dirs_exist_ok=True)
         else:
             target.mkdir(parents=True, exist_ok=True)
-            hf = self.spec.package_module().tiny_hf_config_dict(self.model_config(args))
+            hf = getattr(args, "hf_config", None) or self.spec.package_module().tiny_hf_config_dict(
+                self.model_config(args))
             (target / "config.json").write_text(json.dumps(hf, indent=1))
 
 

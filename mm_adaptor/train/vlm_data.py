@@ -121,9 +121,13 @@ def processing(args, config):
     from mm_adaptor.data.images import ImageProcessing
 
     hf = Path(args.load or "") / "hf"
-    if args.load and (hf / "config.json").exists():
-        return ImageProcessing.for_directory(hf, config)
-    return ImageProcessing.for_model(config)
+    if getattr(args, "image_processor_dir", None):  # --mm-data's model_name_or_path
+        found = ImageProcessing.for_directory(args.image_processor_dir, config)
+    elif args.load and (hf / "config.json").exists():
+        found = ImageProcessing.for_directory(hf, config)
+    else:
+        found = ImageProcessing.for_model(config)
+    return found.with_pixels(getattr(args, "image_min_pixels", None), getattr(args, "image_max_pixels", None))
 
 
 def tokenizer(args, config):

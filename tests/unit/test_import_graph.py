@@ -173,7 +173,7 @@ CORE = ("mm_adaptor.core", "mm_adaptor.versions.contracts", "mm_adaptor.versions
         "mm_adaptor.versions.fingerprint_table")
 PARTS = ("mm_adaptor.feature_flags", "mm_adaptor.patches", "mm_adaptor.devices", "mm_adaptor.ops",
          "mm_adaptor.train", "mm_adaptor.harness", "mm_adaptor.models", "mm_adaptor.data", "mm_adaptor.convert",
-         "mm_adaptor.ranks", "mm_adaptor.versions", "mm_adaptor.cli")
+         "mm_adaptor.ranks", "mm_adaptor.versions", "mm_adaptor.cli", "mm_adaptor.mindspeed_mm")
 COMMANDS = ("mm_adaptor.cli",)
 # part -> the parts it must never import (it may import the core, and what is not listed)
 NEVER = {
@@ -187,6 +187,7 @@ NEVER = {
     "mm_adaptor.feature_flags": ("mm_adaptor.train", "mm_adaptor.harness", "mm_adaptor.ranks", *COMMANDS),
     "mm_adaptor.convert": ("mm_adaptor.train", "mm_adaptor.harness", *COMMANDS),
     "mm_adaptor.data": ("mm_adaptor.train", "mm_adaptor.harness", *COMMANDS),
+    "mm_adaptor.mindspeed_mm": ("mm_adaptor.train", "mm_adaptor.harness", *COMMANDS),
     "mm_adaptor.train": ("mm_adaptor.harness",),
     # local ranks know nothing of what runs in them
     "mm_adaptor.ranks": tuple(part for part in PARTS if part != "mm_adaptor.ranks"),
