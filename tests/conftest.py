@@ -21,6 +21,12 @@ _times_path = os.environ.pop("MM_ADAPTOR_TEST_TIMES", None)
 _seconds_per_file: dict[str, float] = defaultdict(float)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The builder's concurrency test first: on an empty cache its one build is the one every later test loads."""
+    first = [item for item in items if item.name == "test_concurrent_processes_build_once_and_all_load"]
+    items[:] = first + [item for item in items if item not in first]
+
+
 def pytest_runtest_logreport(report):
     _seconds_per_file[report.nodeid.split("::", 1)[0]] += report.duration
 

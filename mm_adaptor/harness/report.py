@@ -10,8 +10,11 @@ def _mib(n: int) -> str:
 
 
 def _layer_order(label: str):
-    parts = label.split()
-    return (0, int(parts[1])) if len(parts) == 2 and parts[1].isdigit() else (1, 0)
+    """'layer N' (the language model's), then 'vision layer N', each by N, then the rest."""
+    *tower, word, number = label.split() if len(label.split()) >= 2 else ("", "", "")
+    if word == "layer" and number.isdigit() and tower in ([], ["vision"]):
+        return (len(tower), int(number), "")
+    return (2, 0, label)
 
 
 GROUP_LABELS = {"loss": "losses", "activations": "module outputs (step 1, first micro-batch)",

@@ -17,14 +17,19 @@ LOAD_AND_USE = ("import torch, mm_adaptor.ops as o\n"
 
 
 def test_concurrent_processes_build_once_and_all_load(tmp_path):
-    env = dict(os.environ, MM_ADAPTOR_OPS_CACHE=str(tmp_path))
+    """Where the suite's own cache has no CPU library yet (a clean clone; conftest runs this test first), the four
+    processes build into it, and that one build is what every later test loads; otherwise into a fresh folder."""
+    root = builder.cache_root() if builder.cached_library("cpu") is None else tmp_path
+    log = root / "builds.log"
+    earlier = len(log.read_text().splitlines()) if log.exists() else 0
+    env = dict(os.environ, MM_ADAPTOR_OPS_CACHE=str(root))
     procs = [subprocess.Popen([sys.executable, "-c", LOAD_AND_USE], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(4)]
     outputs = [p.communicate(timeout=900) for p in procs]
     for proc, (out, err) in zip(procs, outputs):
         assert proc.returncode == 0, err[-2000:]
         assert "LOADED native cpu kernels" in out
-    builds = (tmp_path / "builds.log").read_text().splitlines()
+    builds = log.read_text().splitlines()[earlier:]
     assert len(builds) == 1, builds
     assert sum("building native cpu ops" in err for _, err in outputs) == 1
 
