@@ -30,6 +30,11 @@ def _parser(name: str) -> ArgumentParser:
         parser.add_argument("--image-min-pixels", type=int, default=None)
         parser.add_argument("--image-max-pixels", type=int, default=None)
         parser.add_argument("--max-samples", type=int, default=None)
+        parser.add_argument("--model", default=None, help="the family whose preprocessing and special tokens the "
+                                                          "data takes: NAME-tiny (its tiny preset), or NAME with "
+                                                          "--load (default: --load's, else Qwen2.5-VL's)")
+        parser.add_argument("--load", default=None, help="a converted checkpoint: its hf/config.json names the "
+                                                         "family, its hf/ the preprocessing and the tokenizer")
     return parser
 
 
@@ -63,13 +68,51 @@ def _run(name, args) -> int:
 
         print(f"{args.count} samples written to {make_shapes(args.out_dir, args.count, args.seed)}")
     else:
-        from mm_adaptor.data.tokenizer import load_tokenizer
+        from mm_adaptor.data.tokenizer import check_model_matches, load_tokenizer
         from mm_adaptor.data.vlm import validate
 
-        report = validate(args.data_path, load_tokenizer(args.tokenizer_model), args.seq_length,
-                          args.image_min_pixels, args.image_max_pixels, args.max_samples, True)
+        config, processing, tokenizer_dir = _model_data(args)
+        tokenizer = load_tokenizer(tokenizer_dir, config)
+        if config is not None:
+            check_model_matches(tokenizer, config)
+        report = validate(args.data_path, tokenizer, args.seq_length, args.image_min_pixels, args.image_max_pixels,
+                          args.max_samples, True, processing)
         for line in report.bad:
             print(line)
         print(report.summary())
         return 1 if report.bad else 0
     return 0
+
+
+def _model_data(args):
+    """(model config, image preprocessing, tokenizer directory) of `check`: --load's family, preprocessing
+    (hf/preprocessor_config.json) and tokenizer (hf/, where it holds one), or --model NAME-tiny's; neither:
+    Qwen2.5-VL's defaults and bytes, as before."""
+    from pathlib import Path
+
+    from mm_adaptor.data.images import ImageProcessing
+    from mm_adaptor.data.records import DataError
+    from mm_adaptor.models import registry
+
+    if args.model is None and args.load is None:
+        return None, None, args.tokenizer_model
+    try:
+        spec, tiny = registry.resolve(args.model) if args.model else (None, False)
+        if spec is not None and spec.package is None:
+            raise ValueError(f"--model {args.model} takes no image data (a vision-language family does)")
+        if args.load is None:
+            if not tiny:
+                raise ValueError(f"--model {args.model} needs --load (a converted checkpoint), or {args.model}-tiny")
+            config = spec.tiny_config()
+            return config, ImageProcessing.for_model(config), args.tokenizer_model
+        if tiny:
+            raise ValueError(f"--model {args.model} is a tiny preset; with --load give --model {spec.name} or none")
+        found = registry.spec_for_directory(args.load)
+        if spec is not None and spec is not found:
+            raise ValueError(f"--model {args.model}: --load {args.load} holds a checkpoint of family {found.name}")
+        hf = Path(args.load) / "hf"
+        config = found.config_from_hf(registry.hf_config_of(args.load))
+        tokenizer_dir = args.tokenizer_model or (str(hf) if (hf / "tokenizer.json").exists() else None)
+        return config, ImageProcessing.for_directory(hf, config), tokenizer_dir
+    except (ValueError, OSError) as exc:
+        raise DataError(str(exc)) from None

@@ -42,14 +42,22 @@ class SavedTensorAccountant:
             model = unwrap(chunk)
             for p in model.parameters():
                 self._param_storages.add(p.untyped_storage().data_ptr())
-            decoder = getattr(model, "decoder", None)
-            for layer in getattr(decoder, "layers", []):
-                label = f"layer {layer.layer_number}"
+            for prefix, layer in self._layers(model):
+                label = f"{prefix}layer {layer.layer_number}"
                 self._handles.append(layer.register_forward_pre_hook(self._enter(label)))
                 self._handles.append(layer.register_forward_hook(self._leave))
                 for name, child in layer.named_children():
                     self._handles.append(child.register_forward_pre_hook(self._enter_module(name)))
                     self._handles.append(child.register_forward_hook(self._leave_module))
+
+    @staticmethod
+    def _layers(model):
+        """(label prefix, layer) of a GPT's decoder, or a vision-language model's language and vision decoders."""
+        towers = (("", model), ("", getattr(model, "language_model", None)),
+                  ("vision ", getattr(model, "vision_model", None)))
+        for prefix, tower in towers:
+            for layer in getattr(getattr(tower, "decoder", None), "layers", []):
+                yield prefix, layer
 
     def _enter(self, label):
         def hook(module, args):

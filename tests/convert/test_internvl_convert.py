@@ -147,6 +147,22 @@ def test_refusals(saved, tmp_path, capsys):
 
 
 # ---- released configs on the meta device (values from their config.json, OpenGVLab layout) ----
+# Where each value comes from (checked 2026-11-27; no hub access here, so printouts and copies of the configs):
+# - InternVL3-1B: the remote-code model's printed config and module tree (public notes "InternVL3-1B_data.md" in
+#   github.com/shivangjhalani/multicoco): llm_config Qwen2 896 / 4864 / 24 layers / 14 heads / 2 KV heads, vocab
+#   151674 (lm_head Linear(896, 151674), a separate module), rms_norm_eps 1e-6, rope_theta 1e6, max positions
+#   32768; top-level "tie_word_embeddings": false (so untied, as written below); vision 300M class 1024 / 4096 /
+#   16 heads / 24 layers, qkv_bias true, qk_normalization false, layer_norm, eps 1e-6, 448 px, patch 14;
+#   downsample 0.5, ps_version v2, select_layer -1, template internvl2_5; mlp1.0 LayerNorm eps 1e-5. Its
+#   tokenizer holds <img> 151665, </img> 151666, <IMG_CONTEXT> 151667 (transformers' conversion script gives
+#   Qwen2 models image_token_id 151667 too). Its llm_config also has rope_scaling {"rope_type": "dynamic",
+#   "factor": 2.0} (kept below: plain RoPE up to max_position_embeddings, test_internvl_config).
+# - InternVL3-8B: Qwen2.5-7B's config (3584 / 18944 / 28 layers / 28 heads / 4 KV heads, untied), InternVL3's
+#   resized vocabulary 151674 (the same tokenizer as the 1B), InternViT-300M as above.
+# - InternVL2.5-78B: InternViT-6B-448px-V2_5 + Qwen2.5-72B-Instruct (model card); Qwen2.5-72B 8192 / 29568 / 80 /
+#   64 heads / 8 KV heads, untied; InternViT-6B 3200 / 12800 / 25 heads / 45 layers, rms_norm, qk_normalization
+#   true, qkv_bias false (copies of its vision_config in public code; Megatron-LM's NVLM example uses the same
+#   tower); vocabulary 151674 as above (not seen in a copy of the 78B's own config).
 
 VIT_300M = {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16, "num_hidden_layers": 24,
             "qkv_bias": True, "qk_normalization": False, "norm_type": "layer_norm"}
@@ -154,7 +170,9 @@ VIT_6B = {"hidden_size": 3200, "intermediate_size": 12800, "num_attention_heads"
           "qkv_bias": False, "qk_normalization": True, "norm_type": "rms_norm"}
 REAL = {  # name: (vision, Qwen2.5 LLM values, layout that fits (tp, llm split, vit split))
     "InternVL3-1B": (VIT_300M, dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                    num_attention_heads=14, num_key_value_heads=2), (2, [12, 12], [24, 0])),
+                                    num_attention_heads=14, num_key_value_heads=2,
+                                    rope_scaling={"factor": 2.0, "rope_type": "dynamic", "type": "dynamic"}),
+                     (2, [12, 12], [24, 0])),
     "InternVL3-8B": (VIT_300M, dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                                     num_attention_heads=28, num_key_value_heads=4), (4, [12, 16], [24, 0])),
     "InternVL2.5-78B": (VIT_6B, dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
@@ -184,11 +202,14 @@ def test_real_config_maps_every_key(name):
     from mm_adaptor.convert import ConvertError, hf_to_mcore_tensors, mcore_to_hf_tensors
     from mm_adaptor.convert.families import checkpoint_family, dims_for
     from mm_adaptor.convert.layout import validate
+    from mm_adaptor.models.internvl import config_from_hf
     from mm_adaptor.models.internvl.mapping import family as internvl_family
 
     vision, text, (tp, llm, vit) = REAL[name]
     original = original_hub_config(name)
     native = checkpoint_family(original, "native", writing=True).config
+    dynamic = (text.get("rope_scaling") or {}).get("factor")
+    assert config_from_hf(original).rope_dynamic_factor == config_from_hf(native).rope_dynamic_factor == dynamic
     with torch.device("meta"):
         model = transformers.InternVLForConditionalGeneration(transformers.InternVLConfig(**native))
     hf = {k: v for k, v in model.state_dict().items()}

@@ -3,6 +3,8 @@
 counts, on a tiny image, extreme aspect ratios both ways, grayscale, opaque RGBA, palette and a large image, with
 the -hf checkpoints' values (448 px tiles, ImageNet statistics, 1 .. 12 tiles) and a small tile size."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -83,3 +85,52 @@ def test_preprocessor_config_is_required_and_checked():
     picture = _picture("RGB", 50, 40)
     expected = _transformers_processor(448)(images=[picture], crop_to_patches=True, return_tensors="pt")
     assert not torch.equal(torch.from_numpy(wrong.preprocess(picture)[0]), expected["pixel_values"])
+
+
+def _data_check(argv, capsys):
+    from mm_adaptor.cli import main as cli_main
+
+    code = cli_main(["data", "check", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_data_check_takes_internvl_from_model_or_checkpoint(shapes, tmp_path, capsys):
+    """`mm-adaptor data check --model internvl-tiny` (or --load of a converted InternVL directory) counts tokens
+    with InternVL's tiling (<img>, 4 <IMG_CONTEXT> per 28 px tile with the thumbnail, </img>) and the model's ids:
+    the longest sample's count is the one the library gives with that tiling, not Qwen2.5-VL's."""
+    from mm_adaptor.data import load_tokenizer, validate
+    from mm_adaptor.models.internvl import tiny_config, tiny_hf_config_dict
+
+    config = tiny_config()
+    tiled = validate(shapes, load_tokenizer(None, config), 10**6, processing=Tiling.for_model(config))
+    longest = max(s.length for s in tiled.samples)
+    qwen = max(s.length for s in validate(shapes, load_tokenizer(None), 10**6).samples)
+    assert longest != qwen and all(s.grids[0][0] > 1 for s in tiled.samples)  # tiles with the thumbnail
+    for flags in (["--model", "internvl-tiny"], ["--load", str(tmp_path)]):
+        if flags[0] == "--load":  # a converted directory: its hf/config.json and preprocessor_config.json
+            (tmp_path / "hf").mkdir()
+            (tmp_path / "hf" / "config.json").write_text(json.dumps(tiny_hf_config_dict(config)))
+            (tmp_path / "hf" / "preprocessor_config.json").write_text(
+                json.dumps({**HF_PREPROCESSOR, "size": {"height": 28, "width": 28}}))
+        assert _data_check([shapes, "--seq-length", str(longest), *flags], capsys)[0] == 0, flags
+        code, out, _ = _data_check([shapes, "--seq-length", str(longest - 1), *flags], capsys)
+        assert code == 1 and f"{longest} tokens, longer than seq_length {longest - 1}" in out, flags
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "internvl"], "--model internvl needs --load (a converted checkpoint), or internvl-tiny"),
+    (["--model", "gpt"], "--model gpt takes no image data"),
+    (["--model", "internvl-small"], "--model internvl-small: unknown"),
+    (["--load", "LOAD", "--model", "qwen2_5_vl"], "holds a checkpoint of family internvl"),
+    (["--load", "LOAD", "--model", "internvl-tiny"], "is a tiny preset"),
+    (["--load", "EMPTY"], "config.json"),
+])
+def test_data_check_refuses_a_wrong_model_in_one_line(shapes, tmp_path, capsys, flags, message):
+    from mm_adaptor.models.internvl import tiny_hf_config_dict
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(tiny_hf_config_dict()))
+    flags = [str(tmp_path) if f == "LOAD" else str(tmp_path / "none") if f == "EMPTY" else f for f in flags]
+    code, out, err = _data_check([shapes, "--seq-length", "64", *flags], capsys)
+    assert code == 2 and not out and message in err and err.count("\n") == 1, err

@@ -2,7 +2,8 @@
 parallelism for both InternViT variants (the 6B class's QK-norm sums its mean square across the TP ranks) and PP2
 uneven for both (3 + 1 and 1 + 3 language layers; InternViT and the projector on the first stage). Measured relative
 errors: as at TP1 (test_internvl_logits), 2.5e-7 .. 3.0e-7 with images, text only bit-equal at PP2; tolerance
-FP32_TOLERANCE."""
+FP32_TOLERANCE. At TP2 the same weights renamed to the OpenGVLab layout (mlp1.*, vision_model.encoder.*,
+language_model.model.*) and converted from it give the native layout's logits bit for bit."""
 
 import dataclasses
 
@@ -11,7 +12,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from internvl_reference import VARIANTS, hf_logits, hf_model, load_hf_weights, positions, prompts  # noqa: E402
+from internvl_reference import (  # noqa: E402
+    VARIANTS, hf_logits, hf_model, load_hf_weights, original_state, positions, prompts,
+)
 from test_internvl_logits import FP32_TOLERANCE, relative_error  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -58,6 +61,12 @@ def _rank_main(workdir):
                 with torch.no_grad():
                     for name in PROMPTS:
                         results[layout, name] = _stage_forward(model, config, *case["prompts", variant, name])
+                if config.tensor_model_parallel_size == 2:  # the same weights, converted from the OpenGVLab layout
+                    load_hf_weights(model, case["original_state", variant], config, "original")
+                    with torch.no_grad():
+                        for name in PROMPTS:
+                            results[layout, "original", name] = _stage_forward(
+                                model, config, *case["prompts", variant, name])
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +77,8 @@ def runs(tmp_path_factory):
     for variant, config in VARIANTS.items():
         reference = hf_model(config)
         case["hf_state", variant] = reference.state_dict()
+        case["original_state", variant] = original_state(reference.state_dict(), config)
+        assert any(key.startswith("mlp1.") for key in case["original_state", variant])  # renamed indeed
         all_prompts = prompts(config)
         with torch.no_grad():
             for name in PROMPTS:
@@ -86,6 +97,8 @@ def test_logits_equal_transformers(runs, layout):
             assert relative_error(rank[layout, name], expected[variant, name]) < FP32_TOLERANCE, name
         if "tp2" in layout:
             assert torch.equal(ranks[0][layout, name], ranks[1][layout, name]), "TP ranks must agree"
+            for rank in ranks:  # converted from the OpenGVLab layout: the same logits, bit for bit
+                assert torch.equal(rank[layout, "original", name], rank[layout, name]), name
 
 
 def test_vision_lives_on_the_first_pipeline_stage_only(runs):

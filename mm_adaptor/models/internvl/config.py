@@ -56,6 +56,9 @@ class InternVLConfig:
     norm_epsilon: float = 1e-6
     rope_theta: float = 1000000.0
     max_position_embeddings: int = 32768
+    # rope_scaling "dynamic" (InternVL3's llm_config, factor 2): plain RoPE up to max_position_embeddings, where
+    # transformers rescales nothing; the model refuses positions beyond it
+    rope_dynamic_factor: float | None = None
     tie_word_embeddings: bool = False
     # special tokens
     image_token_id: int = QWEN2_IMAGE_CONTEXT
@@ -188,10 +191,14 @@ def config_from_hf(hf_config: dict, **overrides) -> InternVLConfig:
         tie = bool(text.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False)))
     language_type = text.get("model_type", "qwen2")
     rope = hf.rope({"text_config": text}, default_theta=1000000.0)
+    dynamic = None
     for spelling in ("rope_scaling", "rope_parameters"):
         kind = (text.get(spelling) or {}).get("rope_type", (text.get(spelling) or {}).get("type", "default"))
-        if kind != "default":
-            raise ValueError(f"InternVL: {spelling} type {kind!r} is not built (plain RoPE is)")
+        if kind == "dynamic":
+            dynamic = float(text[spelling]["factor"])
+        elif kind != "default":
+            raise ValueError(f"InternVL: {spelling} type {kind!r} is not built (plain RoPE is, and 'dynamic' up "
+                             "to max_position_embeddings)")
     if text.get("use_sliding_window"):
         raise ValueError("InternVL: the language model's sliding-window attention is not built")
     heads = text["num_attention_heads"]
@@ -210,7 +217,8 @@ def config_from_hf(hf_config: dict, **overrides) -> InternVLConfig:
         num_query_groups=text.get("num_key_value_heads") or heads,
         head_dim=text.get("head_dim") if language_type == "qwen3" else None,
         norm_epsilon=text.get("rms_norm_eps", 1e-6), rope_theta=rope.theta,
-        max_position_embeddings=text.get("max_position_embeddings", 32768), tie_word_embeddings=tie,
+        max_position_embeddings=text.get("max_position_embeddings", 32768), rope_dynamic_factor=dynamic,
+        tie_word_embeddings=tie,
         image_token_id=image_token, image_seq_length=0,
     )
     validate(config)
@@ -250,6 +258,8 @@ def tiny_hf_config_dict(config: InternVLConfig | None = None) -> dict:
     }
     if c.language_model_type == "qwen3":
         text["head_dim"] = c.kv_channels
+    if c.rope_dynamic_factor is not None:
+        text["rope_scaling"] = {"rope_type": "dynamic", "type": "dynamic", "factor": c.rope_dynamic_factor}
     return {
         "model_type": NATIVE, "image_token_id": c.image_token_id, "image_seq_length": c.image_seq_length,
         "downsample_ratio": c.downsample_ratio, "projector_hidden_act": c.projector_hidden_act,

@@ -32,6 +32,14 @@ class InternVLModel(VisionLanguageModel):
         self.vision_model = VisionModel(config, vision_transformer_config(config))
         self.vision_projection = Projector(config, projection_config(config))
 
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+        limit = self.model_config.max_position_embeddings
+        dynamic = self.model_config.rope_dynamic_factor is not None and position_ids is not None
+        if dynamic and int(position_ids.max()) >= limit:
+            raise ValueError(f"InternVL: position {int(position_ids.max())} is beyond max_position_embeddings {limit}, "
+                             "where rope_scaling 'dynamic' would rescale RoPE (not built)")
+        return super().forward(input_ids, position_ids, *args, **kwargs)
+
     def visual_inputs(self, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw):
         if pixel_values_videos is not None:
             raise ValueError("InternVL: videos are not supported yet")
