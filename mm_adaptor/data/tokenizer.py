@@ -22,9 +22,7 @@ class ByteTokenizer:
         from mm_adaptor.models.qwen2_5_vl import tiny_config
 
         config = config or tiny_config()
-        fixed = {"<|image_pad|>": config.image_token_id, "<|video_pad|>": config.video_token_id,
-                 "<|vision_start|>": config.vision_start_token_id,
-                 "<|vision_end|>": config.vision_start_token_id + 1}
+        fixed = model_token_ids_of(config)
         taken, free = set(fixed.values()), iter(i for i in range(256, 1 << 31) if i not in set(fixed.values()))
         if min(taken) < 256:
             raise DataError(f"the model's vision token ids {sorted(taken)} overlap the byte tokenizer's ids 0..255")
@@ -52,22 +50,37 @@ class ByteTokenizer:
         return "".join(out)
 
 
-class HFTokenizer:
-    """transformers' AutoTokenizer from a local directory (offline); it must hold SPECIAL_TOKENS."""
+def token_names(config) -> dict:
+    """What the family's tokenizer calls the tokens SPECIAL_TOKENS names (Qwen's names): its package's TOKEN_NAMES
+    (InternVL: <img>, </img>, <IMG_CONTEXT>; None: the family has no such token), the same name otherwise."""
+    if config is None:
+        return {}
+    from mm_adaptor.models import family_package
 
-    def __init__(self, directory: str):
+    return getattr(family_package(config), "TOKEN_NAMES", {})
+
+
+class HFTokenizer:
+    """transformers' AutoTokenizer from a local directory (offline); it must hold SPECIAL_TOKENS under the names the
+    config's family gives them (token_names). A token the family does not have takes the config's id for it."""
+
+    def __init__(self, directory: str, config=None):
         from transformers import AutoTokenizer
 
         try:
             self.hf = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         except (OSError, ValueError) as exc:
             raise DataError(f"tokenizer_model {directory}: cannot load a tokenizer ({exc})") from None
-        unknown = self.hf.unk_token_id
+        unknown, renamed = self.hf.unk_token_id, token_names(config)
         self.special_ids = {}
         for name in SPECIAL_TOKENS:
-            token_id = self.hf.convert_tokens_to_ids(name)
-            if token_id is None or (token_id == unknown and name != self.hf.unk_token):
-                raise DataError(f"tokenizer_model {directory}: no special token {name}")
+            actual = renamed.get(name, name)
+            if actual is None:
+                self.special_ids[name] = model_token_ids_of(config)[name]
+                continue
+            token_id = self.hf.convert_tokens_to_ids(actual)
+            if token_id is None or (token_id == unknown and actual != self.hf.unk_token):
+                raise DataError(f"tokenizer_model {directory}: no special token {actual}")
             self.special_ids[name] = int(token_id)
         self.vocab_size = len(self.hf)
 
@@ -82,7 +95,7 @@ def load_tokenizer(tokenizer_model: str | None = None, config=None):
     """HFTokenizer(tokenizer_model) for a directory, else ByteTokenizer(config) (config: a Qwen25VLConfig whose
     vision token ids the byte tokenizer takes; default tiny_config())."""
     if tokenizer_model:
-        return HFTokenizer(tokenizer_model)
+        return HFTokenizer(tokenizer_model, config)
     return ByteTokenizer(config)
 
 
@@ -92,6 +105,12 @@ def model_token_ids(tokenizer) -> dict:
     ids = tokenizer.special_ids
     return {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
             "vision_start_token_id": ids["<|vision_start|>"]}
+
+
+def model_token_ids_of(config) -> dict:
+    """The config's ids of the tokens model_token_ids reads, by token (Qwen's names)."""
+    return {"<|image_pad|>": config.image_token_id, "<|video_pad|>": config.video_token_id,
+            "<|vision_start|>": config.vision_start_token_id, "<|vision_end|>": config.vision_start_token_id + 1}
 
 
 def check_model_matches(tokenizer, config) -> None:

@@ -6,6 +6,10 @@ from mm_adaptor.models.internvl.config import (  # noqa: F401
     tiny_config, tiny_hf_config_dict, vision_transformer_config,
 )
 
+# what InternVL's tokenizers call the tokens the data tools name as Qwen's (data.tokenizer.token_names); no video pad
+TOKEN_NAMES = {"<|vision_start|>": "<img>", "<|vision_end|>": "</img>", "<|image_pad|>": "<IMG_CONTEXT>",
+               "<|video_pad|>": None}
+
 
 def model_provider(*args, **kwargs):
     """See model.model_provider (imported on call: megatron loads only when a model is built)."""
