@@ -159,8 +159,10 @@ def text_sample(seq, loss_mask=None) -> dict:
 def problems(args) -> list[str]:
     """--packing's refusals and --mock-lengths' (one line each), before any rank starts."""
     model = getattr(args, "model", "gpt")
-    if model != "gpt" and getattr(args, "mock_lengths", "full") != "full":
-        return [f"--mock-lengths shapes the GPT's mock data: drop it for --model {model}"]
+    synthetic = model == "gpt" or (model.endswith("-tiny") and not getattr(args, "data_path", None))
+    if not synthetic and getattr(args, "mock_lengths", "full") != "full":
+        return [f"--mock-lengths shapes the generated samples (the GPT's, a NAME-tiny's without --data-path): drop it "
+                f"for --model {model}" + (" with --data-path" if getattr(args, "data_path", None) else "")]
     if not getattr(args, "packing", False):
         return []
     found = []
@@ -175,7 +177,10 @@ def problems(args) -> list[str]:
                      "--attention-dropout 0")
     if getattr(args, "hybrid_layer_pattern", None) is not None:
         found.append("--packing reaches the attention layers only: it does not combine with --hybrid-layer-pattern")
-    if model != "gpt":
-        found.append(f"--packing packs the GPT's mock data only so far (the vision-language models' forward does not "
-                     f"take megatron's PackedSeqParams yet): drop --packing for --model {model}")
+    if not synthetic:
+        found.append(f"--packing packs generated samples only so far (the GPT's, a NAME-tiny's), not a --data-path "
+                     f"data set's: drop --packing for --model {model} with --data-path")
+    if getattr(args, "context_parallel_size", 1) > 1:
+        found.append("--packing with --context-parallel-size above 1 is not built yet (each pack would need its "
+                     "segments split across the CP ranks): drop one of them")
     return found

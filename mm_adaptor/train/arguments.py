@@ -109,8 +109,9 @@ def build_parser(prog: str = "mm-adaptor train") -> argparse.ArgumentParser:
                         "tokens, first-fit decreasing, positions restarted per sample, attention kept within each "
                         "sample (PackedSeqParams through mm_adaptor.ops.varlen_attention); needs --micro-batch-size 1")
     t.add_argument("--mock-lengths", choices=["full", "skewed"], default="full",
-                   help="the GPT's mock samples: all --seq-length tokens (full), or 1/16 of it to all of it, most "
-                        "short (skewed: padded to --seq-length with the loss masked, unless --packing)")
+                   help="the generated samples (the GPT's mock data; a NAME-tiny's images and text without "
+                        "--data-path): all --seq-length tokens (full), or 1/16 of it to all of it, most short "
+                        "(skewed: padded to --seq-length with the loss masked, unless --packing)")
     t.add_argument("--log-interval", type=int, default=1)
     t.add_argument("--save", type=str, default=None, help="checkpoint directory to save into")
     t.add_argument("--save-interval", type=int, default=None, help="default: save once, at the end")

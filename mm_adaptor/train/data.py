@@ -3,6 +3,18 @@
 from __future__ import annotations
 
 
+def sample_length(args, gen, shortest: int = 2) -> int:
+    """--seq-length; with --mock-lengths skewed, 1/16 of it (at least `shortest`) to all of it, most samples short
+    (u^3), drawn from `gen`."""
+    import torch
+
+    full = args.seq_length
+    if getattr(args, "mock_lengths", "full") != "skewed":
+        return full
+    low = min(full, max(shortest, full // 16))
+    return low + int((full - low) * float(torch.rand(1, generator=gen)) ** 3)
+
+
 class MockBatches:
     """Deterministic synthetic token streams with a learnable next-token rule.
 
@@ -33,12 +45,7 @@ class MockBatches:
         return seq
 
     def length(self, gen) -> int:
-        """--seq-length; with --mock-lengths skewed, 1/16 of it to all of it, most samples short (u^3)."""
-        full = self.args.seq_length
-        if getattr(self.args, "mock_lengths", "full") != "skewed":
-            return full
-        shortest = max(2, full // 16)
-        return shortest + int((full - shortest) * float(self.torch.rand(1, generator=gen)) ** 3)
+        return sample_length(self.args, gen)
 
     def __iter__(self):
         return self
@@ -82,7 +89,5 @@ class ContextParallelSlices:
         from mm_adaptor.core.sequence_split import local_half
 
         batch = next(self.batches)
-        if "packed_seq_params" in batch:
-            raise NotImplementedError("--packing with --context-parallel-size > 1 is not built yet")
         return {name: local_half(t, self.cp_rank, self.cp_size, dim=1) if name in self.split else t
                 for name, t in batch.items()}

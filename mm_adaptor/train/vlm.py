@@ -64,7 +64,10 @@ def forward_step(data_iterator, model):
     vision = {}
     if unwrap(model).pre_process:
         vision = dict(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
-    output = model(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"], **vision)
+    if "packed_seq_params" in batch:  # a pack (data.packing): its tokens, and the segments' bounds
+        vision["packed_seq_params"] = batch["packed_seq_params"]
+    input_ids = batch["input_ids"] if "input_ids" in batch else batch["tokens"]
+    output = model(input_ids, batch["position_ids"], None, labels=batch["labels"], **vision)
     return output, partial(loss_func, batch["loss_mask"])
 
 
@@ -187,7 +190,12 @@ class VisionLanguage(Gpt):
 
     def batches(self, args, dp_rank: int, start_iteration: int, device, chunks) -> list:
         kind = vlm_data.DatasetBatches if args.data_path else vlm_data.SyntheticBatches
-        return [kind(args, self.model_config(args), dp_rank, start_iteration, device)]
+        source = kind(args, self.model_config(args), dp_rank, start_iteration, device)
+        if getattr(args, "packing", False):
+            from mm_adaptor.data.packing import PackedBatches
+
+            return [PackedBatches(args, dp_rank, start_iteration, device, source.packed_sample)]
+        return [source]
 
     def save_side_files(self, args) -> None:
         """--save gets hf/ (config and tokenizer files) so that `mm-adaptor convert mcore-to-hf` and --load read it."""

@@ -33,15 +33,42 @@ class _Batches:
 
 class SyntheticBatches(_Batches):
     """Each sample: <vision_start> 4 image tokens (a 8x8-patch image, 16 patches) <vision_end>, then an arithmetic
-    progression over the first 32 token ids whose start and stride come from the sample. Loss on the text only."""
+    progression over the first 32 token ids whose start and stride come from the sample. Loss on the text only.
+    With --mock-lengths skewed the text is shorter (train.data.sample_length; padded, its loss masked); --packing
+    packs `packed_sample`s instead."""
 
     GRID = (1, 4, 4)
     ALPHABET = 32
 
     def sample(self, index: int):
+        """(seq [--seq-length + 1], pixels, loss mask [--seq-length], real tokens): padded after a shorter sample."""
+        import torch
+
+        seq, pixels, mask = self.unpadded(index)
+        length = self.args.seq_length
+        padded, padded_mask = torch.zeros(length + 1, dtype=seq.dtype), torch.zeros(length)
+        padded[:seq.numel()], padded_mask[:mask.numel()] = seq, mask
+        return padded, pixels, padded_mask, seq.numel() - 1
+
+    def packed_sample(self, index: int) -> dict:
+        """Sample `index` as the packer takes it (data.packing.pack): its own tokens, 3-D positions from 0."""
+        import torch
+
+        from mm_adaptor.data.packing import text_sample
+        from mm_adaptor.models import family_package, rope_index_for
+
+        seq, pixels, mask = self.unpadded(index)
+        sample = text_sample(seq, mask)
+        grid = None if hasattr(family_package(self.config), "synthetic_visual") else torch.tensor([self.GRID])
+        positions, _ = rope_index_for(self.config, sample["tokens"].unsqueeze(0), grid)
+        sample["position_ids"] = positions[..., 0, :] if positions.dim() == 3 else positions[0]
+        return {**sample, "pixel_values": pixels, "image_grid_thw": grid}
+
+    def unpadded(self, index: int):
         import torch
 
         from mm_adaptor.models import family_package
+        from mm_adaptor.train.data import sample_length
 
         c, length = self.config, self.args.seq_length
         gen = torch.Generator().manual_seed(self.args.seed * 1_000_003 + index)
@@ -55,6 +82,7 @@ class SyntheticBatches(_Batches):
             prompt = [c.vision_start_token_id] + [c.image_token_id] * merged + [c.vision_start_token_id + 1]
         start = int(torch.randint(0, self.ALPHABET, (1,), generator=gen))
         stride = int(torch.randint(1, 8, (1,), generator=gen))
+        length = sample_length(self.args, gen, shortest=len(prompt) + 1)  # drawn last: full-length samples as before
         text = ((start + stride * torch.arange(length + 1 - len(prompt))) % self.ALPHABET).tolist()
         seq = torch.tensor(prompt + text)
         mask = torch.zeros(length)
@@ -66,7 +94,7 @@ class SyntheticBatches(_Batches):
 
         from mm_adaptor.models import family_package, rope_index_for
 
-        seqs, pixels, masks = zip(*(self.sample(i) for i in indices))
+        seqs, pixels, masks, real = zip(*(self.sample(i) for i in indices))
         seqs = torch.stack(seqs)
         input_ids = seqs[:, :-1].contiguous()
         grid = None if hasattr(family_package(self.config), "synthetic_visual") else \
@@ -74,7 +102,7 @@ class SyntheticBatches(_Batches):
         positions, _ = rope_index_for(self.config, input_ids, grid)
         return {"input_ids": input_ids, "labels": seqs[:, 1:].contiguous(), "loss_mask": torch.stack(masks),
                 "position_ids": positions, "pixel_values": torch.cat(pixels), "image_grid_thw": grid,
-                "tokens": input_ids.numel()}
+                "tokens": sum(real)}
 
 
 class DatasetBatches:

@@ -29,6 +29,11 @@ LAYOUTS = {
     "tp2-sp-rope": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--position-embedding-type", "rope",
                     "--nproc-per-node", "2"],
     "pp2-learned": ["--pipeline-model-parallel-size", "2", "--nproc-per-node", "2"],
+    # the tiny Qwen2.5-VL's synthetic image samples, skewed: 3-D rope positions per sample, the images of a pack's
+    # samples through the vision tower together, their rows at their own pad tokens
+    "vlm-tp2-sp": ["--model", "qwen2_5_vl-tiny", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                   "--nproc-per-node", "2"],
+    "vlm-pp2": ["--model", "qwen2_5_vl-tiny", "--pipeline-model-parallel-size", "2", "--nproc-per-node", "2"],
 }
 
 
@@ -62,15 +67,21 @@ def test_packed_equals_padded(layout):
     ran = on.memory["packed_attention"]
     # the varlen op ran on this rank; the last pack's bounds hold several samples and end at --seq-length
     assert ran["calls"] > 0 and len(ran["last_cu_seqlens"]) > 2, ran
+    if layout.startswith("vlm"):  # the vision tower's gradients, from the images of each pack, were judged too
+        steps = on.ranks[0].grads
+        assert any(name.startswith("vision_model") or ".vision_model." in name for name in steps[0]), steps[0]
     assert ran["last_cu_seqlens"][-1] == 64
     assert len(on.losses) == 2
 
 
 @pytest.mark.parametrize("broken, layout", [("--use-test-packing-across-samples", "tp2-sp-rope"),
+                                            ("--use-test-packing-across-samples", "vlm-pp2"),
                                             ("--use-test-packing-positions-continue", "pp2-learned")])
 def test_broken_packing_fails(broken, layout):
     """Positions that run on are judged with learned position embeddings: rope within a segment sees relative
-    positions only, unchanged by an offset (megatron's THD rope restarts them anyway, see data/packing.py)."""
+    positions only, unchanged by an offset (megatron's THD rope restarts them anyway, see data/packing.py). So is the
+    VLMs' 3-D rope: positions run on over a pack differ from restarted ones by one offset per sample in all three
+    sections, which rope cancels within a sample; attention across samples is what a VLM pack can get wrong."""
     with harness.extra_feature_module("broken_packing_features"):
         on, verdicts = reference(layout).judge(broken)
     assert on.features and broken.removeprefix("--use-") in on.features

@@ -104,12 +104,17 @@ REFUSED = [
     (["--packing", "--micro-batch-size", "1", "--pipeline-model-parallel-size", "2",
       "--num-layers-per-virtual-pipeline-stage", "1", "--num-layers", "4"], "drop --num-layers-per-virtual-pipeline"),
     (["--packing", "--micro-batch-size", "1", "--attention-dropout", "0.1"], "give --attention-dropout 0"),
-    (["--packing", "--micro-batch-size", "1", "--model", "qwen2_5_vl-tiny"], "drop --packing for --model qwen2_5_vl"),
-    (["--mock-lengths", "skewed", "--model", "qwen2_5_vl-tiny"], "drop it for --model qwen2_5_vl-tiny"),
+    (["--packing", "--micro-batch-size", "1", "--model", "qwen2_5_vl-tiny", "--data-path", "pyproject.toml"],
+     "drop --packing for --model qwen2_5_vl-tiny with --data-path"),
+    (["--mock-lengths", "skewed", "--model", "qwen2_5_vl-tiny", "--data-path", "pyproject.toml"],
+     "drop it for --model qwen2_5_vl-tiny with --data-path"),
+    (["--packing", "--micro-batch-size", "1", "--context-parallel-size", "2", "--context-parallel-algo",
+      "ulysses_cp_algo"], "--packing with --context-parallel-size above 1 is not built yet"),
 ]
 
 
-@pytest.mark.parametrize("argv, expected", REFUSED, ids=["micro-batch", "vpp", "dropout", "vlm", "mock-lengths-vlm"])
+@pytest.mark.parametrize("argv, expected", REFUSED, ids=["micro-batch", "vpp", "dropout", "vlm-data-set",
+                                                         "mock-lengths-data-set", "context-parallel"])
 def test_refusals_are_one_line_and_exit_2_before_any_rank(argv, expected, capsys):
     with pytest.raises(SystemExit) as exit_:
         main([*argv, "--nproc-per-node", "2", "--train-iters", "1"])
