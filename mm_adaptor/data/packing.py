@@ -106,8 +106,11 @@ class PackedBatches:
     """This data-parallel rank's packed micro-batches, step by step, from `sample(global index)` (a dict as
     `pack` takes). The driver calls start_step() before each step and reads microbatches_this_step."""
 
-    def __init__(self, args, dp_rank: int, start_iteration: int, device, sample):
+    def __init__(self, args, dp_rank: int, start_iteration: int, device, sample, step_indices=None):
+        """step_indices(iteration): the indices `sample` takes for this rank's step, where the source orders its
+        stream otherwise than the mock data (e.g. a data set's rank-contiguous share); default step_indices below."""
         self.args, self.dp_rank, self.device, self.sample = args, dp_rank, device, sample
+        self.source_indices = step_indices
         self.iteration = start_iteration
         self.queue: list[dict] = []
         self.microbatches_this_step = 0
@@ -121,7 +124,7 @@ class PackedBatches:
         return [iteration * a.global_batch_size + m * dp + self.dp_rank for m in range(a.global_batch_size // dp)]
 
     def start_step(self) -> None:
-        indices = self.step_indices(self.iteration)
+        indices = (self.source_indices or self.step_indices)(self.iteration)
         samples = [self.sample(i) for i in indices]
         lengths = [int(s["tokens"].shape[-1]) for s in samples]
         bins = first_fit_decreasing(lengths, self.args.seq_length)
@@ -177,9 +180,6 @@ def problems(args) -> list[str]:
                      "--attention-dropout 0")
     if getattr(args, "hybrid_layer_pattern", None) is not None:
         found.append("--packing reaches the attention layers only: it does not combine with --hybrid-layer-pattern")
-    if not synthetic:
-        found.append(f"--packing packs generated samples only so far (the GPT's, a NAME-tiny's), not a --data-path "
-                     f"data set's: drop --packing for --model {model} with --data-path")
     if getattr(args, "context_parallel_size", 1) > 1:
         found.append("--packing with --context-parallel-size above 1 is not built yet (each pack would need its "
                      "segments split across the CP ranks): drop one of them")

@@ -236,6 +236,31 @@ class BatchIterator:
         loaded = [load_sample(self.report.samples[i], self.tokenizer, *self.pixels, self.processing) for i in chosen]
         return collate(loaded, self.seq_length, self.pad_id, self.config, chosen)
 
+    def step_positions(self, iteration: int) -> list[int]:
+        """Stream positions this DP rank reads in `iteration` (what __next__ reads, in order)."""
+        per_rank = self.global_batch_size // self.dp_size
+        first = iteration * self.global_batch_size + self.dp_rank * per_rank
+        return list(range(first, first + per_rank))
+
+    def packed_sample(self, position: int) -> dict:
+        """The sample at a stream position as the packer takes it (data.packing.pack): its own tokens, labels where
+        the next token is a target, its 3-D rope index from 0, its pixels and grids."""
+        from mm_adaptor.models import rope_index_for
+
+        epoch, offset = divmod(position, len(self.report.samples))
+        index = _permutation(len(self.report.samples), self.seed, epoch)[offset]
+        ids, flags, pixels, grids = load_sample(self.report.samples[index], self.tokenizer, *self.pixels,
+                                                self.processing)
+        tokens = torch.tensor(ids, dtype=torch.long)
+        labels = torch.full_like(tokens, IGNORE_INDEX)
+        labels[:-1] = torch.where(torch.tensor(flags[1:], dtype=torch.bool), tokens[1:], IGNORE_INDEX)
+        grid = torch.tensor([list(g) for g in grids], dtype=torch.long) if grids else None
+        positions, _ = rope_index_for(self.config, tokens.unsqueeze(0), image_grid_thw=grid,
+                                      attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        return {"tokens": tokens, "labels": labels, "loss_mask": (labels != IGNORE_INDEX).float(),
+                "position_ids": positions[..., 0, :] if positions.dim() == 3 else positions[0],
+                "pixel_values": pixels, "image_grid_thw": grid}
+
 
 def build(data_path, tokenizer, config, seq_length: int, micro_batch_size: int = 1, global_batch_size: int = 1,
           dp_rank: int = 0, dp_size: int = 1, start_iteration: int = 0,

@@ -194,7 +194,8 @@ class VisionLanguage(Gpt):
         if getattr(args, "packing", False):
             from mm_adaptor.data.packing import PackedBatches
 
-            return [PackedBatches(args, dp_rank, start_iteration, device, source.packed_sample)]
+            return [PackedBatches(args, dp_rank, start_iteration, device, source.packed_sample,
+                                  getattr(source, "step_positions", None))]
         return [source]
 
     def save_side_files(self, args) -> None:

@@ -124,6 +124,12 @@ class DatasetBatches:
     def start_step(self) -> None:
         self.tokens_this_step = 0
 
+    def packed_sample(self, position: int) -> dict:
+        return self.batches.packed_sample(position)
+
+    def step_positions(self, iteration: int) -> list[int]:
+        return self.batches.step_positions(iteration)
+
     def __next__(self):
         batch = next(self.batches)
         self.tokens_this_step += int(batch["num_tokens"].sum())
