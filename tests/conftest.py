@@ -1,3 +1,4 @@
+import fcntl
 import json
 import os
 import shutil
@@ -36,16 +37,18 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(os.environ["MM_ADAPTOR_BASELINE_CACHE"], ignore_errors=True)
     path = _times_path
     if path and _seconds_per_file:
-        try:
-            with open(path) as f:
-                recorded = json.load(f)
-        except (OSError, ValueError):
-            recorded = {}
-        leg = os.environ.get("MM_ADAPTOR_TEST_LEG", "suite")
-        legs = recorded.setdefault("legs", {})
-        legs[leg] = {name: round(seconds, 1) for name, seconds in sorted(_seconds_per_file.items())}
-        with open(path, "w") as f:
-            json.dump(recorded, f, indent=1, sort_keys=True)
+        with open(f"{path}.lock", "w") as lock:  # legs that run side by side finish into the same file
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                with open(path) as f:
+                    recorded = json.load(f)
+            except (OSError, ValueError):
+                recorded = {}
+            leg = os.environ.get("MM_ADAPTOR_TEST_LEG", "suite")
+            legs = recorded.setdefault("legs", {})
+            legs[leg] = {name: round(seconds, 1) for name, seconds in sorted(_seconds_per_file.items())}
+            with open(path, "w") as f:
+                json.dump(recorded, f, indent=1, sort_keys=True)
 
 
 @pytest.fixture

@@ -229,11 +229,3 @@ def test_vision_encoder_memory_benchmark_measures_both_paths(monkeypatch):
     assert dense["bytes"] > varlen["bytes"] > 0
     assert dense["dense / varlen"] == pytest.approx(dense["bytes"] / varlen["bytes"])
 
-
-def test_vlm_packing_benchmark_packs_the_skewed_set():
-    stdout = run_script("vlm_packing.py", "--seq", "1024", "--samples", "8", "--steps", "2", "--layers", "1")
-    header, rows = table_rows(stdout)
-    (padded, *p), (packed, *q) = rows
-    assert (padded, packed) == ("padded", "packed") and "non-padding of processed" in header, stdout
-    share = {name: float(row[1].rstrip("%")) for name, row in (("padded", p), ("packed", q))}
-    assert share["packed"] > share["padded"] and float(q[0]) < float(p[0]), stdout
