@@ -245,7 +245,7 @@ class BatchIterator:
     def packed_sample(self, position: int) -> dict:
         """The sample at a stream position as the packer takes it (data.packing.pack): its own tokens, labels where
         the next token is a target, its 3-D rope index from 0, its pixels and grids."""
-        from mm_adaptor.models import rope_index_for
+        from mm_adaptor.models import sample_positions
 
         epoch, offset = divmod(position, len(self.report.samples))
         index = _permutation(len(self.report.samples), self.seed, epoch)[offset]
@@ -255,10 +255,8 @@ class BatchIterator:
         labels = torch.full_like(tokens, IGNORE_INDEX)
         labels[:-1] = torch.where(torch.tensor(flags[1:], dtype=torch.bool), tokens[1:], IGNORE_INDEX)
         grid = torch.tensor([list(g) for g in grids], dtype=torch.long) if grids else None
-        positions, _ = rope_index_for(self.config, tokens.unsqueeze(0), image_grid_thw=grid,
-                                      attention_mask=torch.ones(1, len(ids), dtype=torch.long))
         return {"tokens": tokens, "labels": labels, "loss_mask": (labels != IGNORE_INDEX).float(),
-                "position_ids": positions[..., 0, :] if positions.dim() == 3 else positions[0],
+                "position_ids": sample_positions(self.config, tokens, grid),
                 "pixel_values": pixels, "image_grid_thw": grid}
 
 

@@ -11,3 +11,12 @@ def family_package(config):
 def rope_index_for(config, *args, **kwargs):
     """The 3-D rope index of the config's family (its package's rope_index_for)."""
     return family_package(config).rope_index_for(config, *args, **kwargs)
+
+
+def sample_positions(config, tokens, image_grid_thw=None):
+    """One sample's positions from 0 as the packer takes them: [3, L] (3-D rope) or [L], for tokens [L]."""
+    import torch
+
+    mask = torch.ones(1, tokens.numel(), dtype=torch.long)
+    positions, _ = rope_index_for(config, tokens.unsqueeze(0), image_grid_thw=image_grid_thw, attention_mask=mask)
+    return positions[..., 0, :] if positions.dim() == 3 else positions[0]

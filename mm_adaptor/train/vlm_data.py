@@ -55,13 +55,12 @@ class SyntheticBatches(_Batches):
         import torch
 
         from mm_adaptor.data.packing import text_sample
-        from mm_adaptor.models import family_package, rope_index_for
+        from mm_adaptor.models import family_package, sample_positions
 
         seq, pixels, mask = self.unpadded(index)
         sample = text_sample(seq, mask)
         grid = None if hasattr(family_package(self.config), "synthetic_visual") else torch.tensor([self.GRID])
-        positions, _ = rope_index_for(self.config, sample["tokens"].unsqueeze(0), grid)
-        sample["position_ids"] = positions[..., 0, :] if positions.dim() == 3 else positions[0]
+        sample["position_ids"] = sample_positions(self.config, sample["tokens"], grid)
         return {**sample, "pixel_values": pixels, "image_grid_thw": grid}
 
     def unpadded(self, index: int):
