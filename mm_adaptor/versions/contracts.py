@@ -10,6 +10,7 @@ gets one warning per process, nothing more. Contracts on other packages (torch) 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import inspect
@@ -101,6 +102,11 @@ def fingerprint(obj) -> str:
 
 
 def installed_version(package: str = MEGATRON_CORE) -> str | None:
+    return _distribution_version(package)
+
+
+@functools.lru_cache(maxsize=None)  # every patch's contract asks; reading the metadata costs ~1.5 ms a time
+def _distribution_version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:

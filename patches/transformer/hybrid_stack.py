@@ -17,14 +17,14 @@ class WhereDefined(Patch):
     """A wrap applied only where its target exists: on a release without it there is nothing to patch (and nothing
     that could call it), so apply leaves it unapplied instead of failing."""
 
-    def apply(self) -> None:
+    def apply(self, *, scanned=None) -> None:
         try:
             owner, name = resolve(self.target)
         except PatchError:
             return
         if Patch._raw_attribute(owner, name)[0] is _MISSING:
             return
-        super().apply()
+        super().apply(scanned=scanned)
 
 
 def wrap_where_defined(patch_set, target: str, wrapper, contract) -> Patch:

@@ -225,6 +225,42 @@ def test_one_object_installed_on_two_targets_restores_each_copy_to_its_own_origi
     assert late.Child is child and late.GrandChild is grandchild
 
 
+def test_a_patch_set_scans_the_modules_once_and_rebinds_as_patch_by_patch(fake, tmp_path, monkeypatch):
+    from mm_adaptor.core import patching
+
+    name, a, b = fake
+    (tmp_path / name / "c.py").write_text(f"from {name}.a import f, Child\nfrom {name}.a import f as alias\n")
+    c = importlib.import_module(f"{name}.c")
+    scans, real_scan = [], patching._holders
+    monkeypatch.setattr(patching, "_holders", lambda *args: scans.append(args) or real_scan(*args))
+    other = type("Other", (), {})
+
+    def make():  # the last wraps what the first rebound there
+        return [Patch(f"{name}.a.f", add_ten, mode="wrap"), Patch(f"{name}.a.Child", other, mode="replace"),
+                Patch(f"{name}.b.call_f", add_ten, mode="wrap"), Patch(f"{name}.c.alias", add_ten, mode="wrap")]
+
+    def bindings(patches):
+        label = {id(p._installed): i for i, p in enumerate(patches)}
+        return {(m.__name__, attr): label.get(id(getattr(m, attr)), "original")
+                for m in (a, b, c) for attr in ("f", "Child", "call_f", "alias") if hasattr(m, attr)}
+
+    one_by_one = make()
+    for patch in one_by_one:
+        patch.apply()
+    expected = bindings(one_by_one)
+    assert len(scans) == 4 and c.alias(1) == 22
+    for patch in reversed(one_by_one):
+        patch.revert()
+    scans.clear()
+    patches = PatchSet("demo", make())
+    patches.apply()
+    assert len(scans) == 2, "one scan for the set, one for the original that the set's first patch rebound"
+    assert bindings(list(patches)) == expected
+    assert expected[(c.__name__, "f")] == 0 and expected[(c.__name__, "Child")] == 1
+    patches.revert()
+    assert b.f is c.f is c.alias is a.f and c.alias(1) == 2 and c.Child is a.Child is not other
+
+
 def test_copy_rebound_by_someone_else_is_left_alone(fake):
     name, a, b = fake
     original = a.f
