@@ -17,3 +17,30 @@ def local_half(x, cp_rank: int, cp_size: int, dim: int = 0):
 
     parts = x.chunk(2 * cp_size, dim=dim)
     return torch.cat([parts[c] for c in chunks_of(cp_rank, cp_size)], dim=dim)
+
+
+# --- packed sequences (THD): each segment is split as a sequence of its own -----------------------------------------
+
+def padded_length(length: int, cp_size: int) -> int:
+    """A segment's length rounded up to a multiple of 2 x cp_size, so that it splits into equal chunks."""
+    unit = 2 * cp_size
+    return -(-length // unit) * unit
+
+
+def local_segments(x, cp_rank: int, cp_size: int, segments: list[int], dim: int = 0):
+    """This CP rank's part of a packed sequence (segment lengths `segments`, each a multiple of 2 x cp_size): of
+    every segment its two chunks, segment after segment (megatron's THD layout, as its rope reads it)."""
+    import torch
+
+    parts = x.split(segments, dim=dim)
+    return torch.cat([local_half(part, cp_rank, cp_size, dim=dim) for part in parts], dim=dim)
+
+
+def local_tokens(segments: list[int], cp_rank: int, cp_size: int, device=None):
+    """(segment index, position in the segment) of each token this CP rank holds of a packed sequence: what the
+    packed context-parallel attention masks by."""
+    import torch
+
+    index = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(segments)])
+    position = torch.cat([torch.arange(n) for n in segments])
+    return tuple(local_segments(t, cp_rank, cp_size, segments).to(device) for t in (index, position))

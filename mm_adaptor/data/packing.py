@@ -13,6 +13,10 @@ back, then, if room is left, one padding segment (token 0, loss masked). Positio
 (for the VLMs each sample's 3-D rope index); cu_seqlens [samples (+1) + 1] bound the segments; megatron's
 PackedSeqParams (qkv_format "thd") carry them to the attention (patches/transformer/packed_attention.py).
 
+At --context-parallel-size N each sample first grows to a multiple of 2 x N tokens (loss-masked padding) and is packed
+by that length, so that every segment splits into equal chunks over the CP ranks (train.data.ContextParallelSlices);
+PackedSeqParams then carry the samples' bounds in cu_seqlens_q and the segments' in cu_seqlens_q_padded.
+
 max_seqlen is the longest segment, never the pack's length: megatron's THD rope (rope_utils, 0.16 to 0.19) reads
 frequencies of the pack's length as continuous positions across samples; of the longest segment's, as positions
 restarted per sample. (Multimodal rope frequencies are per token already: the pack's length, taken as given.)
@@ -62,14 +66,37 @@ def cu_seqlens_of(lengths: list[int]):
     return cu
 
 
-def packed_seq_params(lengths: list[int], device=None):
-    """megatron's PackedSeqParams (THD) of segments `lengths` (the padding segment included)."""
+def packed_seq_params(lengths: list[int], device=None, real: list[int] | None = None):
+    """megatron's PackedSeqParams (THD) of segments `lengths` (the padding segment included). real: the samples'
+    own lengths where each segment was padded to split over the context-parallel ranks (megatron's convention then:
+    cu_seqlens_q the samples', cu_seqlens_q_padded the segments')."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = cu_seqlens_of(lengths).to(device)
     longest = max(lengths)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                           max_seqlen_kv=longest)
+    if real is None:
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                               max_seqlen_kv=longest)
+    own = cu_seqlens_of(real).to(device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=own, cu_seqlens_kv=own, cu_seqlens_q_padded=cu,
+                           cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def padded_for_context_parallel(sample: dict, cp_size: int) -> dict:
+    """A text sample grown to a multiple of 2 x cp_size tokens (its segment splits into equal chunks over the CP
+    ranks): padding tokens 0, loss masked, positions running on; "real_length" keeps its own length."""
+    import torch
+
+    from mm_adaptor.core.sequence_split import padded_length
+
+    length = int(sample["tokens"].shape[-1])
+    extra = padded_length(length, cp_size) - length
+    grown = {name: torch.cat([sample[name], torch.zeros(extra, dtype=sample[name].dtype)]) for name in TEXT_FIELDS}
+    positions = sample["position_ids"]  # [L], or a VLM's [3, L]: the padding's run on from the last
+    after = int(positions.max()) + 1 if length else 0
+    tail = torch.arange(after, after + extra, dtype=positions.dtype).expand(*positions.shape[:-1], extra)
+    grown["position_ids"] = torch.cat([positions, tail], dim=-1)
+    return {**sample, **grown, "real_length": length}
 
 
 def pack(samples: list[dict], capacity: int) -> dict:
@@ -99,6 +126,8 @@ def pack(samples: list[dict], capacity: int) -> dict:
             batch[name] = torch.cat(parts) if parts else None
     batch["segments"] = lengths + ([pad] if pad else [])
     batch["tokens_real"] = used
+    if any("real_length" in s for s in samples):
+        batch["segments_real"] = [s.get("real_length", n) for s, n in zip(samples, lengths)] + ([pad] if pad else [])
     return batch
 
 
@@ -126,11 +155,15 @@ class PackedBatches:
     def start_step(self) -> None:
         indices = (self.source_indices or self.step_indices)(self.iteration)
         samples = [self.sample(i) for i in indices]
+        tokens = sum(int(s["tokens"].shape[-1]) for s in samples)
+        cp = getattr(self.args, "context_parallel_size", 1) or 1
+        if cp > 1:
+            samples = [padded_for_context_parallel(s, cp) for s in samples]
         lengths = [int(s["tokens"].shape[-1]) for s in samples]
         bins = first_fit_decreasing(lengths, self.args.seq_length)
         self.queue = [pack([samples[i] for i in members], self.args.seq_length) for members in bins]
         self.microbatches_this_step = len(self.queue)
-        self.tokens_this_step = sum(lengths)
+        self.tokens_this_step = tokens
         self.padding_this_step = len(self.queue) * self.args.seq_length - self.tokens_this_step
         self.iteration += 1
 
@@ -142,10 +175,10 @@ class PackedBatches:
             raise RuntimeError(f"all {self.microbatches_this_step} packs of the step were read: call start_step() "
                                "before each step and read microbatches_this_step micro-batches")
         batch = self.queue.pop(0)
-        segments = batch.pop("segments")
+        segments, real = batch.pop("segments"), batch.pop("segments_real", None)
         batch.pop("tokens_real")
         moved = {k: (v.to(self.device) if hasattr(v, "to") else v) for k, v in batch.items()}
-        moved["packed_seq_params"] = packed_seq_params(segments, self.device)
+        moved["packed_seq_params"] = packed_seq_params(segments, self.device, real)
         return moved
 
 
@@ -180,7 +213,4 @@ def problems(args) -> list[str]:
                      "--attention-dropout 0")
     if getattr(args, "hybrid_layer_pattern", None) is not None:
         found.append("--packing reaches the attention layers only: it does not combine with --hybrid-layer-pattern")
-    if getattr(args, "context_parallel_size", 1) > 1:
-        found.append("--packing with --context-parallel-size above 1 is not built yet (each pack would need its "
-                     "segments split across the CP ranks): drop one of them")
     return found

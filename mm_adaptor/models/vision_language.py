@@ -13,7 +13,7 @@ from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 
-from mm_adaptor.core.sequence_split import local_half
+from mm_adaptor.core.sequence_split import local_half, local_segments
 
 
 class VisionLanguageModel(MegatronModule):
@@ -81,15 +81,16 @@ class VisionLanguageModel(MegatronModule):
         decoder_input, block_kwargs = None, None
         if self.pre_process:
             decoder_input, block_kwargs = self.embed(
-                input_ids, self.visual_inputs(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw))
+                input_ids, self.visual_inputs(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw),
+                packed_seq_params)
         return self.language_model(input_ids=None if self.pre_process else input_ids, position_ids=position_ids,
                                    attention_mask=attention_mask, decoder_input=decoder_input, labels=labels,
                                    loss_mask=loss_mask, runtime_gather_output=runtime_gather_output,
                                    extra_block_kwargs=block_kwargs, packed_seq_params=packed_seq_params)
 
-    def embed(self, input_ids: torch.Tensor, visual_inputs):
-        """Word embeddings [s, b, h] with the visual rows at their pad tokens, scattered for SP, and the decoder
-        block's extra arguments."""
+    def embed(self, input_ids: torch.Tensor, visual_inputs, packed_seq_params=None):
+        """Word embeddings [s, b, h] with the visual rows at their pad tokens, cut to this CP rank's part (of each
+        segment of a pack) and scattered for SP, and the decoder block's extra arguments."""
         text = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h], whole sequence
         batch_major = text.transpose(0, 1)
         placed = []
@@ -109,8 +110,12 @@ class VisionLanguageModel(MegatronModule):
         embeddings = batch_major.transpose(0, 1).contiguous()
         block_kwargs = self.block_kwargs(placed, text.dtype) if placed else None
         if self.config.context_parallel_size > 1:  # input_ids came whole: this CP rank's part of the sequence
-            embeddings = local_half(embeddings, parallel_state.get_context_parallel_rank(),
-                                    self.config.context_parallel_size)
+            rank, size = parallel_state.get_context_parallel_rank(), self.config.context_parallel_size
+            if packed_seq_params is None:
+                embeddings = local_half(embeddings, rank, size)
+            else:
+                cu = packed_seq_params.cu_seqlens_q_padded.tolist()
+                embeddings = local_segments(embeddings, rank, size, [b - a for a, b in zip(cu, cu[1:])])
         if self.config.sequence_parallel:
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
         return embeddings, block_kwargs

@@ -74,7 +74,8 @@ class MockBatches:
 
 class ContextParallelSlices:
     """A batch iterator's batches as one context-parallel rank sees them: of each [b, s] tensor named in `split`
-    (the family's context_parallel_split) its two load-balanced chunks (core.sequence_split)."""
+    (the family's context_parallel_split) its two load-balanced chunks (core.sequence_split), of every segment of a
+    pack."""
 
     def __init__(self, batches, cp_rank: int, cp_size: int, split: tuple[str, ...]):
         self.batches, self.cp_rank, self.cp_size, self.split = batches, cp_rank, cp_size, split
@@ -86,8 +87,15 @@ class ContextParallelSlices:
         return self
 
     def __next__(self):
-        from mm_adaptor.core.sequence_split import local_half
+        from mm_adaptor.core.sequence_split import local_half, local_segments
 
         batch = next(self.batches)
-        return {name: local_half(t, self.cp_rank, self.cp_size, dim=1) if name in self.split else t
+        packed = batch.get("packed_seq_params")
+        if packed is None:
+            return {name: local_half(t, self.cp_rank, self.cp_size, dim=1) if name in self.split else t
+                    for name, t in batch.items()}
+        # a pack (--packing): each segment is split as a sequence; packed_seq_params keep the whole pack's bounds
+        cu = packed.cu_seqlens_q_padded.tolist()
+        segments = [b - a for a, b in zip(cu, cu[1:])]
+        return {name: local_segments(t, self.cp_rank, self.cp_size, segments, dim=1) if name in self.split else t
                 for name, t in batch.items()}

@@ -66,9 +66,26 @@ def forward_step(data_iterator, model):
         vision = dict(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
     if "packed_seq_params" in batch:  # a pack (data.packing): its tokens, and the segments' bounds
         vision["packed_seq_params"] = batch["packed_seq_params"]
+        if batch["packed_seq_params"].cu_seqlens_q_padded is not None:  # split over the CP ranks
+            # megatron's multimodal rope cuts its frequencies to the CP rank's load-balanced halves of the whole
+            # row unless packed_seq_params' cp_group has one rank; whole, the THD rope takes each segment's chunks
+            batch["packed_seq_params"].cp_group = _one_rank_group()
     input_ids = batch["input_ids"] if "input_ids" in batch else batch["tokens"]
     output = model(input_ids, batch["position_ids"], None, labels=batch["labels"], **vision)
     return output, partial(loss_func, batch["loss_mask"])
+
+
+_ONE_RANK_GROUPS: dict = {}
+
+
+def _one_rank_group():
+    import torch.distributed as dist
+
+    key = id(dist.group.WORLD)
+    if key not in _ONE_RANK_GROUPS:
+        _ONE_RANK_GROUPS.clear()
+        _ONE_RANK_GROUPS[key] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    return _ONE_RANK_GROUPS[key]
 
 
 class VisionLanguage(Gpt):

@@ -11,8 +11,8 @@ CP rank r holds chunks r and 2 x CP - 1 - r, one after the other, so every rank 
 - Hybrid (hybrid_cp_algo): Ulysses inside groups of consecutive CP ranks, the ring across those groups. After the
   Ulysses all-to-all a group holds two contiguous runs of chunks, which is the ring's load-balanced layout again.
 
-Tensors are megatron's [s, b, heads, head dim]. Blocks are computed in fp32 by query rows (BLOCK_ELEMENTS score
-elements at a time), so no [s, s] tensor is made."""
+Tensors are megatron's [s, b, heads, head dim]. Blocks are computed in fp32 by query rows (context_parallel_blocks),
+so no [s, s] tensor is made. Packs (--packing, THD) take context_parallel_packed.py's path."""
 
 from __future__ import annotations
 
@@ -22,77 +22,13 @@ import torch
 import torch.distributed as dist
 
 from mm_adaptor.core.sequence_split import chunks_of
-
-BLOCK_ELEMENTS = 1 << 22
-
-
-# --- blocks -------------------------------------------------------------------------------------------------------
-
-def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x if x.shape[2] == heads else x.repeat_interleave(heads // x.shape[2], dim=2)
-
-
-def _rows(sq: int, sk: int, b: int, h: int) -> int:
-    return max(1, BLOCK_ELEMENTS // max(1, sk * b * h))
-
-
-def _causal_mask(start: int, rows: int, sk: int, device) -> torch.Tensor:
-    """True where masked: query start + i sees keys j <= start + i (a diagonal block: queries and keys aligned)."""
-    q = torch.arange(start, start + rows, device=device)[:, None]
-    return torch.arange(sk, device=device)[None, :] > q
-
-
-def block_forward(q, k, v, scale: float, causal: bool):
-    """One block: out [sq, b, h, d] fp32 and lse [b, h, sq] fp32 of softmax(q k^T scale) v."""
-    sq, b, h, _ = q.shape
-    k, v = _expand_kv(k, h).float(), _expand_kv(v, h).float()
-    out, lse = q.new_empty(q.shape, dtype=torch.float32), q.new_empty((b, h, sq), dtype=torch.float32)
-    step = _rows(sq, k.shape[0], b, h)
-    for start in range(0, sq, step):
-        rows = min(step, sq - start)
-        scores = torch.einsum("qbhd,kbhd->bhqk", q[start:start + rows].float(), k) * scale
-        if causal:
-            scores = scores.masked_fill(_causal_mask(start, rows, k.shape[0], q.device), float("-inf"))
-        block_lse = torch.logsumexp(scores, dim=-1)
-        out[start:start + rows] = torch.einsum("bhqk,kbhd->qbhd", torch.exp(scores - block_lse[..., None]), v)
-        lse[..., start:start + rows] = block_lse
-    return out, lse
-
-
-def block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool):
-    """Gradients of one block given the whole row's lse [b, h, sq] and delta = rowsum(dout * out) [b, h, sq]:
-    dq [sq, b, h, d], dk and dv [sk, b, hk, d], all fp32."""
-    sq, b, h, _ = q.shape
-    hk = k.shape[2]
-    kx, vx = _expand_kv(k, h).float(), _expand_kv(v, h).float()
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(kx.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(vx.shape, dtype=torch.float32, device=q.device)
-    step = _rows(sq, kx.shape[0], b, h)
-    for start in range(0, sq, step):
-        rows = slice(start, start + min(step, sq - start))
-        qs, dos = q[rows].float(), dout[rows].float()
-        scores = torch.einsum("qbhd,kbhd->bhqk", qs, kx) * scale
-        if causal:
-            scores = scores.masked_fill(_causal_mask(start, qs.shape[0], kx.shape[0], q.device), float("-inf"))
-        probs = torch.exp(scores - lse[..., rows, None])
-        dv += torch.einsum("bhqk,qbhd->kbhd", probs, dos)
-        dprobs = torch.einsum("qbhd,kbhd->bhqk", dos, vx)
-        dscores = probs * (dprobs - delta[..., rows, None]) * scale
-        dq[rows] = torch.einsum("bhqk,kbhd->qbhd", dscores, kx)
-        dk += torch.einsum("bhqk,qbhd->kbhd", dscores, qs)
-    if hk != h:
-        dk, dv = (x.view(x.shape[0], b, hk, h // hk, -1).sum(3) for x in (dk, dv))
-    return dq, dk, dv
-
-
-def _merge(out, lse, block_out, block_lse):
-    """Two partial softmax results of the same queries as one (rows with no keys yet have lse = -inf)."""
-    new = torch.logaddexp(lse, block_lse)
-    keep = torch.exp(lse - new).nan_to_num(0.0).permute(2, 0, 1)[..., None]
-    take = torch.exp(block_lse - new).nan_to_num(0.0).permute(2, 0, 1)[..., None]
-    return out * keep + block_out * take, new
-
+from mm_adaptor.patches.transformer.context_parallel_blocks import (
+    _AllToAll,
+    _merge,
+    _pass_on,
+    block_backward,
+    block_forward,
+)
 
 # --- the ring -----------------------------------------------------------------------------------------------------
 
@@ -104,18 +40,6 @@ def _pairs(q_chunks, kv_chunks):
                 yield qi, ki, False
             elif kc == qc:
                 yield qi, ki, True
-
-
-def _pass_on(tensors, group):
-    """Sends the tensors to the next rank of the ring and returns what the previous one sent."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    after, before = dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
-    received = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), after, group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, r, before, group) for r in received]
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
-    return received
 
 
 class RingAttention(torch.autograd.Function):
@@ -202,25 +126,6 @@ class _LocalCausal(torch.autograd.Function):
 
 # --- Ulysses ------------------------------------------------------------------------------------------------------
 
-class _AllToAll(torch.autograd.Function):
-    """x [n, ...] with n = group size: part j goes to rank j; returns [n, ...] with part j from rank j."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.contiguous()  # before empty_like, which would keep a permuted input's strides
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
-
-
 def _sequence_order(size: int) -> list[int]:
     """After the all-to-all the group's parts arrive by rank, each [front chunk, back chunk]: the order of those
     2 x size parts that puts the fronts ascending, then the backs ascending (back chunks descend with the rank)."""
@@ -260,9 +165,16 @@ def ulysses_attention(q, k, v, ulysses_group, attend, head_order=None):
 
 
 def context_parallel_attention(q, k, v, ulysses_group, ring_group, scale: float | None = None,
-                               diagonal_causal: bool = True, head_order=None):
+                               diagonal_causal: bool = True, head_order=None, packed=None, cross_segments=False):
     """Causal attention of the CP group's sequence: Ulysses over ulysses_group, the ring over ring_group (either
-    of size 1). q, k, v and the result: this CP rank's [s_local, b, heads, d]."""
+    of size 1). q, k, v and the result: this CP rank's [s_local, b, heads, d]. packed: (segment lengths, CP size)
+    of a pack (b = 1; context_parallel_packed)."""
+    if packed is not None:
+        from mm_adaptor.patches.transformer.context_parallel_packed import packed_attention
+
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        return packed_attention(q, k, v, ulysses_group, ring_group, scale, *packed, cross_segments=cross_segments,
+                                head_order=head_order)
     return ulysses_attention(q, k, v, ulysses_group,
                              lambda *qkv: ring_attention(*qkv, ring_group, scale, diagonal_causal), head_order)
 
@@ -325,13 +237,22 @@ def forward_with_context_parallel(algo: str, ulysses_degree: int, calls: dict):
         if config.context_parallel_size == 1:
             return wrapped(*args, **kwargs)
         bound = bound_arguments(ATTENTION_ARGUMENTS, args, kwargs)
-        if bound.get("packed_seq_params") is not None:
-            raise NotImplementedError("context parallelism with packed sequences is not built yet")
         if bound.get("attention_bias") is not None:
             raise NotImplementedError("context parallelism with an attention bias is not supported")
         query, key, value = bound["query"], bound["key"], bound["value"]
         cp_group = getattr(instance, "cp_group", None) or parallel_state.get_context_parallel_group()
         ulysses, ring = groups_for(cp_group, ulysses_degree, cache)
+        packed = bound.get("packed_seq_params")
+        if packed is not None:  # THD: [t, heads, d] with the batch of 1 squeezed
+            from mm_adaptor.patches.transformer.packed_attention import segment_bounds
+
+            cu = segment_bounds(packed)[0].tolist()
+            segments = [b - a for a, b in zip(cu, cu[1:])]
+            query, key, value = (x.unsqueeze(1) for x in (query, key, value))
+            out = context_parallel_attention(query, key, value, ulysses, ring, scale=instance.softmax_scale,
+                                             packed=(segments, dist.get_world_size(cp_group)))
+            calls[f"{algo} packed"] = calls.get(f"{algo} packed", 0) + 1
+            return out.reshape(out.shape[0], -1)
         out = context_parallel_attention(query, key, value, ulysses, ring, scale=instance.softmax_scale)
         calls[algo] = calls.get(algo, 0) + 1
         return out.reshape(out.shape[0], out.shape[1], -1)

@@ -1,7 +1,8 @@
 """Deliberately wrong context parallelism for the harness's self-test (loaded into the training ranks through
 MM_ADAPTOR_FEATURE_MODULES), each beside the real --context-parallel-size 2: a ring that forgets the causal mask of
 its diagonal blocks (each token also sees the later tokens of its own chunk), a ring whose softmax scale is 0.1%
-too large (a subtle forward error), and Ulysses that gathers the heads in the wrong order."""
+too large (a subtle forward error), Ulysses that gathers the heads in the wrong order, and packed attention that
+crosses the samples of a pack."""
 
 from mm_adaptor.core.features import Feature, Flag, register
 
@@ -47,3 +48,11 @@ class RingWithScoresOffByALittle(_BrokenContextParallel):
     description = "--context-parallel-algo megatron_cp_algo with the softmax scale 0.1% too large"
     flags = (Flag("--use-test-broken-cp-ring-scale", description),)
     broken = {"scale_factor": 1.001}
+
+
+@register
+class PackedAttentionAcrossSegments(_BrokenContextParallel):
+    name = "test-broken-cp-packed-across"
+    description = "--context-parallel-size with --packing letting attention cross the samples of a pack"
+    flags = (Flag("--use-test-broken-cp-packed-across", description),)
+    broken = {"cross_segments": True}

@@ -99,6 +99,34 @@ def test_full_length_mock_data_is_unchanged_by_the_length_draw():
     assert batch["loss_mask"].all() and batch["tokens"].shape == (1, 64)
 
 
+def test_at_context_parallel_2_each_sample_is_padded_to_split_and_each_rank_takes_its_chunks_of_every_segment():
+    from mm_adaptor.core.sequence_split import local_segments
+    from mm_adaptor.train.data import ContextParallelSlices
+
+    args = _args(context_parallel_size=2, data_parallel_size=1, num_microbatches=8)
+    plain, split = _packed(_args(data_parallel_size=1, num_microbatches=8), 0), _packed(args, 0)
+    plain.start_step()
+    split.start_step()
+    assert split.tokens_this_step == plain.tokens_this_step  # the loss covers the samples' own tokens only
+    batches = [next(split) for _ in range(split.microbatches_this_step)]
+    for batch in batches:
+        params = batch["packed_seq_params"]
+        padded, own = params.cu_seqlens_q_padded.tolist(), params.cu_seqlens_q.tolist()
+        assert padded[-1] == 64 and all((b - a) % 4 == 0 for a, b in zip(padded, padded[1:]))
+        assert all(b - a <= d - c for a, b, c, d in zip(own, own[1:], padded, padded[1:]))
+    assert sum(int(b["loss_mask"].sum()) for b in batches) == split.tokens_this_step
+    # rank r holds chunks r and 3 - r of every segment: together the ranks hold each segment once
+    batch = batches[0]
+    segments = [b - a for a, b in zip(batch["packed_seq_params"].cu_seqlens_q_padded.tolist(),
+                                      batch["packed_seq_params"].cu_seqlens_q_padded.tolist()[1:])]
+    parts = [next(ContextParallelSlices(iter([batch]), r, 2, ("tokens", "position_ids")))["position_ids"]
+             for r in (0, 1)]
+    assert all(p.shape == (1, 32) for p in parts)
+    assert torch.equal(parts[0], local_segments(batch["position_ids"], 0, 2, segments, dim=1))
+    first = segments[0] // 4
+    assert parts[0][0, :2 * first].tolist() == list(range(first)) + list(range(3 * first, 4 * first))
+
+
 REFUSED = [
     (["--packing", "--micro-batch-size", "2"], "give --micro-batch-size 1, not 2"),
     (["--packing", "--micro-batch-size", "1", "--pipeline-model-parallel-size", "2",
@@ -106,13 +134,10 @@ REFUSED = [
     (["--packing", "--micro-batch-size", "1", "--attention-dropout", "0.1"], "give --attention-dropout 0"),
     (["--mock-lengths", "skewed", "--model", "qwen2_5_vl-tiny", "--data-path", "pyproject.toml"],
      "drop it for --model qwen2_5_vl-tiny with --data-path"),
-    (["--packing", "--micro-batch-size", "1", "--context-parallel-size", "2", "--context-parallel-algo",
-      "ulysses_cp_algo"], "--packing with --context-parallel-size above 1 is not built yet"),
 ]
 
 
-@pytest.mark.parametrize("argv, expected", REFUSED, ids=["micro-batch", "vpp", "dropout", "mock-lengths-data-set",
-                                                         "context-parallel"])
+@pytest.mark.parametrize("argv, expected", REFUSED, ids=["micro-batch", "vpp", "dropout", "mock-lengths-data-set"])
 def test_refusals_are_one_line_and_exit_2_before_any_rank(argv, expected, capsys):
     with pytest.raises(SystemExit) as exit_:
         main([*argv, "--nproc-per-node", "2", "--train-iters", "1"])
