@@ -27,14 +27,15 @@ from _common import device_name, package_version
 MIX = ((0.5, None), (0.3, 56), (0.2, 448))
 
 
-def make_data(out_dir: str, count: int, seed: int) -> str:
+def make_data(out_dir: str, count: int, seed: int, mix=MIX) -> str:
+    """A messages data set: per sample an image side drawn from `mix` ((weight, side or None for text only))."""
     from PIL import Image
 
     rng = random.Random(seed)
     os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
     records = []
     for i in range(count):
-        side = rng.choices([s for _, s in MIX], weights=[w for w, _ in MIX])[0]
+        side = rng.choices([s for _, s in mix], weights=[w for w, _ in mix])[0]
         words = " ".join(rng.choice(("red", "blue", "circle", "square", "two", "large")) for _ in
                          range(int(4 + 60 * rng.random() ** 3)))
         if side is None:

@@ -14,6 +14,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 
 from mm_adaptor.core.sequence_split import local_half, local_segments
+from mm_adaptor.models.encoder_balance import ENCODER_CLOCK
 
 
 class VisionLanguageModel(MegatronModule):
@@ -59,8 +60,29 @@ class VisionLanguageModel(MegatronModule):
         """(rows [visual tokens, hidden] in the order of their pad tokens, anything block_kwargs needs of them)."""
         raise NotImplementedError
 
-    def block_kwargs(self, placed: list, dtype: torch.dtype) -> dict | None:
-        """The decoder block's extra arguments, from [(pad-token mask [b, s], visual_rows' extra)] of this batch."""
+    def patches_per_row(self) -> int:
+        """Pixel rows of one visual row (the patches a merger joins): --encoder-dp-balance splits rows by it."""
+        return self.model_config.spatial_merge_size ** 2
+
+    def balanced_visual_rows(self, pixels, grid, group, device) -> torch.Tensor:
+        """visual_rows of this rank's images, encoded where encoder_balance.assign put them over `group`."""
+        from mm_adaptor.models.encoder_balance import balanced_rows
+
+        def encode(given, grids):
+            rows, extra = ENCODER_CLOCK.timed(self.visual_rows, given, grids)
+            if extra is not None:
+                raise ValueError(f"{self.FAMILY}: --encoder-dp-balance returns rows only, not its encoder's extras")
+            return rows
+
+        vision = [p for name, p in self.named_parameters() if not name.startswith("language_model.")]
+        return balanced_rows(encode, pixels, grid, group, merge=self.patches_per_row(),
+                             hidden=self.language_model.config.hidden_size, dtype=vision[0].dtype,
+                             trainable=any(p.requires_grad for p in vision), device=device,
+                             return_order=getattr(self, "encoder_balance_return_order", None))
+
+    def block_kwargs(self, placed: list, dtype: torch.dtype, packed_seq_params=None) -> dict | None:
+        """The decoder block's extra arguments, from [(pad-token mask [b, s], visual_rows' extra)] of this batch
+        (whole sequences: the CP rank's part is the family's to take, of each segment of a pack)."""
         return None
 
     def visual_inputs(self, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw):
@@ -93,14 +115,18 @@ class VisionLanguageModel(MegatronModule):
         segment of a pack) and scattered for SP, and the decoder block's extra arguments."""
         text = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h], whole sequence
         batch_major = text.transpose(0, 1)
-        placed = []
+        placed, exchanged = [], []
+        balance = getattr(self, "encoder_balance_group", None)  # --encoder-dp-balance
         for token, pixels, grid in visual_inputs:
             at = input_ids == token
+            if balance is not None:  # every rank of the group takes part, with or without pixels
+                exchanged.append(self.balanced_visual_rows(pixels, grid, balance, input_ids.device))
             if pixels is None:
                 if bool(at.any()):
                     raise ValueError(f"input_ids hold token {token} but no pixels came for it")
                 continue
-            rows, extra = self.visual_rows(pixels, grid)
+            rows, extra = (exchanged[-1], None) if balance is not None else \
+                ENCODER_CLOCK.timed(self.visual_rows, pixels, grid)
             if int(at.sum()) != rows.shape[0]:
                 raise ValueError(f"{int(at.sum())} pad tokens {token} for {rows.shape[0]} vision embeddings")
             if not placed:
@@ -108,7 +134,10 @@ class VisionLanguageModel(MegatronModule):
             batch_major[at] = rows.to(text.dtype)
             placed.append((at, extra))
         embeddings = batch_major.transpose(0, 1).contiguous()
-        block_kwargs = self.block_kwargs(placed, text.dtype) if placed else None
+        if any(rows.requires_grad and rows.numel() == 0 for rows in exchanged):
+            # no rows of this rank's own: a zero keeps the exchange in the graph, whose backward every rank joins
+            embeddings = embeddings + sum(rows.sum() for rows in exchanged) * 0
+        block_kwargs = self.block_kwargs(placed, text.dtype, packed_seq_params) if placed else None
         if self.config.context_parallel_size > 1:  # input_ids came whole: this CP rank's part of the sequence
             rank, size = parallel_state.get_context_parallel_rank(), self.config.context_parallel_size
             if packed_seq_params is None:

@@ -81,7 +81,10 @@ class Gpt:
         """What the family cannot run, after the driver's own layout rules (one line each)."""
         from mm_adaptor.data.packing import problems
 
-        return problems(args)
+        found = problems(args)
+        if getattr(args, "encoder_dp_balance", False):
+            found.append("--encoder-dp-balance balances a vision encoder's work: it needs a vision-language --model")
+        return found
 
     def data_problems(self, args) -> list[str]:
         return []

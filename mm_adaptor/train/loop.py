@@ -241,6 +241,12 @@ def _train(args, backend) -> None:
         from mm_adaptor.patches.transformer.packed_attention import CALLS
 
         state.memory["packed_attention"] = {"calls": CALLS.calls, "last_cu_seqlens": CALLS.last_cu_seqlens}
+    if getattr(args, "model", "gpt") != "gpt":
+        from mm_adaptor.models.encoder_balance import BALANCE, ENCODER_CLOCK
+
+        state.memory["encoder_seconds"] = list(ENCODER_CLOCK.per_call)
+        if getattr(args, "encoder_dp_balance", False):
+            state.memory["encoder_balance"] = BALANCE.as_dict()
     if recorder is not None:
         recorder.write(state, args.dump)
     print_last_rank(summary(args, state.records, start_iteration, layout))

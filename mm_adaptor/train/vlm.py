@@ -34,6 +34,9 @@ def add_arguments(parser) -> None:
                    help="the vision encoder gets no gradient, gradient buffer or optimizer state (fine-tuning)")
     g.add_argument("--freeze-language", action="store_true",
                    help="the same for the language model (with --freeze-vision: train the projector only)")
+    g.add_argument("--encoder-dp-balance", action="store_true",
+                   help="spread the images of each micro-batch over the data-parallel ranks by patch count for the "
+                        "vision encoder, the embeddings returned to their samples' ranks (MindSpeed-MM's name)")
     g.add_argument("--skip-bad-samples", action="store_true",
                    help="train on the good records of --data-path and count the bad ones, instead of refusing them")
     g.add_argument("--log-tps", action="store_true",
@@ -73,6 +76,16 @@ def forward_step(data_iterator, model):
     input_ids = batch["input_ids"] if "input_ids" in batch else batch["tokens"]
     output = model(input_ids, batch["position_ids"], None, labels=batch["labels"], **vision)
     return output, partial(loss_func, batch["loss_mask"])
+
+
+def encoder_balance_problems(args, family: str) -> list[str]:
+    if family != "qwen2_5_vl":
+        return [f"--encoder-dp-balance is built for Qwen2.5-VL so far (not {family}'s encoder extras or tiles): "
+                "drop it"]
+    if getattr(args, "packing", False):
+        return ["--encoder-dp-balance exchanges images once per micro-batch on every data-parallel rank, and "
+                "--packing gives ranks different numbers of micro-batches: drop one of them"]
+    return []
 
 
 _ONE_RANK_GROUPS: dict = {}
@@ -164,8 +177,8 @@ class VisionLanguage(Gpt):
         found = packing_problems(args)
         pp = args.pipeline_model_parallel_size
         if getattr(args, "context_parallel_size", 1) > 1 and not _has_field(self.spec, "context_parallel_size"):
-            found.append(f"--model {args.model}: --context-parallel-size above 1 is built for the GPT and Qwen2.5-VL "
-                         "so far (not this family's interleaved rope and DeepStack features): drop it")
+            found.append(f"--model {args.model}: --context-parallel-size above 1 is built for the GPT, Qwen2.5-VL and "
+                         "Qwen3-VL so far (not InternVL's towers): drop it")
         if args.virtual_pipeline_model_parallel_size:
             found.append(f"--model {args.model}: virtual pipeline stages are not supported (the vision encoder "
                          "belongs to the first virtual stage only, not built yet): drop "
@@ -174,6 +187,8 @@ class VisionLanguage(Gpt):
         if split is not None and (len(split) != pp or sum(split) != args.num_layers or min(split) < 1):
             found.append(f"--pipeline-layers {args.pipeline_layers}: give {pp} stages of at least 1 language layer, "
                          f"{args.num_layers} in all")
+        if getattr(args, "encoder_dp_balance", False):
+            found += encoder_balance_problems(args, self.spec.name)
         if args.freeze_language and not args.freeze_vision:
             found.append("--freeze-language trains the vision encoder and projector only: add --freeze-vision "
                          "(projector-only alignment) or drop it")
@@ -203,6 +218,8 @@ class VisionLanguage(Gpt):
             self.model_config(args), pre_process=ps.is_pipeline_first_stage(),
             post_process=ps.is_pipeline_last_stage())
         memory.update(freeze(model, args))
+        if getattr(args, "encoder_dp_balance", False) and model.pre_process:
+            model.encoder_balance_group = ps.get_data_parallel_group()
         return [model.to(device)]
 
     def batches(self, args, dp_rank: int, start_iteration: int, device, chunks) -> list:

@@ -2,7 +2,7 @@
 parallelism (the same global batch on data-parallel ranks instead): the harness's calibrated verdict on losses,
 every step's gradients and the parameters, with the attention calls counted on the way (the mechanism ran).
 Ulysses and the ring over 2 ranks, the ring in bf16, hybrid (Ulysses 2 x ring 2) over 4 ranks, the ring beside
-TP2 + SP and the distributed optimizer over 4 ranks, the ring on the tiny Qwen2.5-VL. Broken variants
+TP2 + SP and the distributed optimizer over 4 ranks, the ring on the tiny Qwen2.5-VL and Qwen3-VL. Broken variants
 (tests/distributed/broken_context_parallel_features.py) must fail: a ring without its diagonal blocks' causal
 mask, Ulysses with the heads gathered in the wrong order. The attention itself is tested alone in
 test_context_parallel_attention.py."""
@@ -32,10 +32,12 @@ def test_two_ranks(algo, extra):
     assert stats[f"{algo} attention calls"] > 0
 
 
-def test_the_tiny_qwen2_5_vl():
+@pytest.mark.parametrize("model", ["qwen2_5_vl-tiny", "qwen3_vl-tiny", "qwen3_vl_moe-tiny"])
+def test_the_tiny_vision_language_models(model):
     """The vision tower runs on whole images on every CP rank; the language model takes its part of the embeddings
-    (vision rows placed), megatron's mrope its part of the 3-D positions."""
-    stats = check("megatron_cp_algo", ["--model", "qwen2_5_vl-tiny", "--micro-batch-size", "1"])
+    (vision rows placed), the multimodal rope its part of the 3-D positions (Qwen3-VL's interleaved one too), and
+    Qwen3-VL's DeepStack layers the features of the visual tokens this rank holds."""
+    stats = check("megatron_cp_algo", ["--model", model, "--micro-batch-size", "1"])
     assert stats["megatron_cp_algo attention calls"] > 0
 
 

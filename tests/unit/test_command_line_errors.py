@@ -55,8 +55,8 @@ def _assert_one_line_refusal(argv, expected, cwd=None):
       "--use-flash-attn"], ["--use-flash-attn and --context-parallel-size 2 both replace", "keep one"]),
     (["train", "--nproc-per-node", "4", "--tensor-model-parallel-size", "1", "--context-parallel-size", "4",
       "--context-parallel-algo", "hybrid_cp_algo"], ["hybrid_cp_algo needs --ulysses-degree-in-cp"]),
-    (["train", "--model", "qwen3_vl-tiny", "--nproc-per-node", "2", "--tensor-model-parallel-size", "1",
-      "--context-parallel-size", "2"], ["--model qwen3_vl-tiny: --context-parallel-size above 1 is built for"]),
+    (["train", "--model", "internvl-tiny", "--nproc-per-node", "2", "--tensor-model-parallel-size", "1",
+      "--context-parallel-size", "2"], ["--model internvl-tiny: --context-parallel-size above 1 is built for"]),
     (["train", "--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--context-parallel-size", "2"],
      ["world size 2 is not divisible by --tensor-model-parallel-size 2 x --pipeline-model-parallel-size 1 x "
       "--context-parallel-size 2"]),

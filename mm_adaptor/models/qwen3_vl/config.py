@@ -62,6 +62,7 @@ class Qwen3VLConfig:
     # language layers per pipeline stage, e.g. [3, 1]; None: even split
     pipeline_layers: list[int] | None = None
     sequence_parallel: bool = False
+    context_parallel_size: int = 1  # the language model's; the vision tower runs on whole images
     params_dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
     transformer_impl: str = "local"  # "local" | "transformer_engine"
     extra: dict = field(default_factory=dict)  # further TransformerConfig fields for every tower
@@ -288,5 +289,5 @@ def language_transformer_config(c: Qwen3VLConfig):
         layernorm_epsilon=c.norm_epsilon, gated_linear_unit=True, activation_func=activation("silu"),
         add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True, mrope_section=list(c.mrope_section),
         pipeline_model_parallel_size=c.pipeline_model_parallel_size, sequence_parallel=c.sequence_parallel,
-        **kwargs, **common_fields(c, "RMSNorm"),
+        context_parallel_size=c.context_parallel_size, **kwargs, **common_fields(c, "RMSNorm"),
     )

@@ -17,6 +17,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 
+from mm_adaptor.core.sequence_split import local_half, local_segments
 from mm_adaptor.models.qwen3_vl.config import (
     Qwen3VLConfig, language_transformer_config, projection_config, validate, vision_transformer_config,
 )
@@ -41,16 +42,16 @@ class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
         if self.rotary_interleaved:
             raise ValueError("Qwen3-VL: rotary_interleaved (pairwise rotation) is not Qwen3-VL's layout")
         cp_group = cp_group if cp_group is not None else getattr(self, "cp_group", None)
-        if cp_group is not None and cp_group.size() > 1:
-            raise ValueError("Qwen3-VL: context parallelism is not supported yet")
         positions = position_ids.to(device=self.inv_freq.device, dtype=torch.float32)
         if self.seq_len_interpolation_factor is not None:
             positions = positions / self.seq_len_interpolation_factor
         freqs = positions[..., None] * self.inv_freq  # [3, b, s, freqs]
         axes = interleaved_axes(mrope_section, freqs.shape[-1]).to(freqs.device)
         freqs = torch.gather(freqs, 0, axes.expand(1, *freqs.shape[1:3], -1))[0]  # [b, s, freqs]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb[..., None, :].transpose(0, 1).contiguous()
+        emb = torch.cat((freqs, freqs), dim=-1)[..., None, :].transpose(0, 1).contiguous()
+        if cp_group is not None and cp_group.size() > 1:  # as megatron's: this CP rank's two chunks of the row
+            emb = local_half(emb, cp_group.rank(), cp_group.size())
+        return emb
 
 
 class DeepStackTransformerLayer(TransformerLayer):
@@ -130,15 +131,28 @@ class Qwen3VLModel(VisionLanguageModel):
     def visual_rows(self, pixels: torch.Tensor, grid: torch.Tensor):
         return self.vision_embeddings(pixels, grid)
 
-    def block_kwargs(self, placed: list, dtype: torch.dtype) -> dict | None:
+    def block_kwargs(self, placed: list, dtype: torch.dtype, packed_seq_params=None) -> dict | None:
         """The DeepStack arguments (None without DeepStack features or with config.deepstack off)."""
         visual = [(at, torch.stack(deepstack).to(dtype)) for at, deepstack in placed if deepstack]
         if not visual or not self.model_config.deepstack:
             return None
-        return _deepstack_block_kwargs(visual, self.config.sequence_parallel)
+        return _deepstack_block_kwargs(visual, self.config.sequence_parallel, packed_seq_params)
 
 
-def _deepstack_block_kwargs(visual, sequence_parallel: bool) -> dict:
+def context_parallel_part(x, packed_seq_params=None):
+    """This CP rank's part of a whole sequence-major [s, ...] tensor, as the embeddings are cut (of each segment of a
+    pack); x itself at CP 1."""
+    size = parallel_state.get_context_parallel_world_size()
+    if size == 1:
+        return x
+    rank = parallel_state.get_context_parallel_rank()
+    if packed_seq_params is None:
+        return local_half(x, rank, size)
+    cu = packed_seq_params.cu_seqlens_q_padded.tolist()
+    return local_segments(x, rank, size, [b - a for a, b in zip(cu, cu[1:])])
+
+
+def _deepstack_block_kwargs(visual, sequence_parallel: bool, packed_seq_params=None) -> dict:
     """{"context": [k, visual tokens of this rank, h] in sequence-major order, "context_mask": [s(/TP), b]}."""
     any_visual = visual[0][0].clone()
     for at, _ in visual[1:]:
@@ -147,11 +161,12 @@ def _deepstack_block_kwargs(visual, sequence_parallel: bool) -> dict:
     features = visual[0][1].new_zeros(visual[0][1].shape[0], count, visual[0][1].shape[-1])
     for at, rows in visual:  # images and videos together, in the order of their tokens (transformers' joint list)
         features[:, at[any_visual]] = rows
-    # batch-major [b, s] rows -> the order of the [s, b] hidden states
+    # batch-major [b, s] rows -> the order of the [s, b] hidden states (this CP rank's part of them)
     rank_in_batch_major = torch.full(any_visual.shape, -1, dtype=torch.long, device=any_visual.device)
     rank_in_batch_major[any_visual] = torch.arange(count, device=any_visual.device)
-    mask = any_visual.t().contiguous()
-    features = features[:, rank_in_batch_major.t()[mask]]
+    order = context_parallel_part(rank_in_batch_major.t().contiguous(), packed_seq_params)
+    mask = order >= 0
+    features = features[:, order[mask]]
     if sequence_parallel:  # this rank's slice of the sequence; gradients summed over TP ranks on the way back
         rank = parallel_state.get_tensor_model_parallel_rank()
         local = mask.shape[0] // parallel_state.get_tensor_model_parallel_world_size()

@@ -1,0 +1,88 @@
+"""--encoder-dp-balance (mm_adaptor/models/encoder_balance.py) on the tiny Qwen2.5-VL at DP2, a generated shapes data
+set (images of 112 to 308 px sides, 4 per micro-batch and rank): the balanced run against the unbalanced one, the
+same losses, module outputs, every step's gradients and the parameters within the calibrated rounding noise
+(measured: losses and module outputs equal, the vision tower's gradients 0.54 x the limit: the encoder's weight
+gradients summed over other images per rank); the patches per rank more even and images moved (the mechanism
+ran). Broken variants must fail: embeddings handed back to the wrong images, gradients not sent home. The
+assignment and the refusals are tested without ranks."""
+
+import functools
+
+import pytest
+
+from mm_adaptor import harness, train
+from mm_adaptor.core.features import Tolerance
+from mm_adaptor.harness import baseline, verdict
+from mm_adaptor.harness.compare import NOISE_PARTS, checked_args, rounding_noise_run
+from mm_adaptor.models.encoder_balance import assign
+
+TOLERANCE = Tolerance(exact=False, factor=1.0, why="each image encoded alone; weight gradients summed over other "
+                                                   "images per rank, then over the ranks")
+
+
+@functools.lru_cache(maxsize=None)
+def unbalanced(data_dir):
+    from mm_adaptor.data.shapes import make_shapes
+
+    shapes = make_shapes(data_dir, count=16, seed=3)
+    model = ["--model", "qwen2_5_vl-tiny", "--data-path", shapes, "--num-layers", "2", "--seq-length", "512",
+             "--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters", "2", "--nproc-per-node", "2"]
+    off_args = checked_args(model)
+    off = baseline.cached_run(off_args)
+    noise = [rounding_noise_run(off_args, parts=parts) for parts in NOISE_PARTS]
+    return model, off, verdict.limits_for(TOLERANCE, "fp32", verdict.noise_table(off, *noise))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return unbalanced(str(tmp_path_factory.mktemp("shapes")))
+
+
+@pytest.mark.distributed
+def test_balanced_equals_unbalanced_and_evens_the_encoders_work(reference):
+    model, off, limits = reference
+    on = train.run(checked_args([*model, "--encoder-dp-balance"]))
+    verdicts = verdict.judge(off, on, limits)
+    failures = {group: v.failures[:3] for group, v in verdicts.items() if v.failures}
+    assert not failures, failures
+    assert all(verdicts[group].count for group in ("loss", "gradients", "parameters"))
+    stats = on.memory["encoder_balance"]
+    before, after = stats["patches_before"], stats["patches_after"]
+    assert stats["calls"] > 0 and stats["images_moved"] > 0, stats
+    assert sum(before) == sum(after) and max(after) - min(after) < max(before) - min(before), stats
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("broken", ["--use-test-broken-encoder-balance-order",
+                                    "--use-test-broken-encoder-balance-gradients"])
+def test_broken_balance_fails(reference, broken):
+    model, off, limits = reference
+    with harness.extra_feature_module("broken_encoder_balance_features"):
+        on = train.run(checked_args([*model, "--encoder-dp-balance", broken]))
+    assert broken.removeprefix("--use-") in on.features
+    assert verdict.judge(off, on, limits)["gradients"].failures
+
+
+def test_assignment_evens_patches_and_keeps_even_loads_home():
+    assert assign([[(1, 4, 4)] * 3, [(1, 4, 4)] * 3]) == [[0, 0, 0], [1, 1, 1]]
+    grids = [[(1, 8, 8), (1, 8, 8), (1, 4, 4)], [(1, 2, 2)]]
+    owner = assign(grids)
+    load = [0, 0]
+    for rank, images in enumerate(grids):
+        for (t, h, w), o in zip(images, owner[rank]):
+            load[o] += t * h * w
+    assert owner == [[0, 1, 0], [1]] and load == [80, 68]  # longest first, each to the least loaded
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--model", "qwen3_vl-tiny"], "--encoder-dp-balance is built for Qwen2.5-VL so far"),
+    (["--model", "qwen2_5_vl-tiny", "--packing", "--micro-batch-size", "1"],
+     "--packing gives ranks different numbers of micro-batches"),
+    ([], "it needs a vision-language --model"),
+], ids=["qwen3-vl", "packing", "gpt"])
+def test_refusals_are_one_line_and_exit_2_before_any_rank(argv, expected, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train.main([*argv, "--encoder-dp-balance", "--nproc-per-node", "2", "--train-iters", "1"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
