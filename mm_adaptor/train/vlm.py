@@ -200,9 +200,14 @@ class VisionLanguage(Gpt):
                          f"{self.spec.name}-tiny)")
         if not found:
             try:  # the family's own constraints on the layout (e.g. DeepStack layers on the first stage)
-                self.model_config(args)
+                config = self.model_config(args)
             except ValueError as exc:
-                found.append(f"--model {args.model}: {exc}")
+                return [*found, f"--model {args.model}: {exc}"]
+            limit = getattr(config, "max_position_embeddings", None)
+            if getattr(config, "rope_dynamic_factor", None) is not None and args.seq_length > limit:
+                found.append(f"--seq-length {args.seq_length} is beyond the checkpoint's max_position_embeddings "
+                             f"{limit}, where its rope_scaling 'dynamic' would rescale RoPE (not built): give "
+                             f"--seq-length {limit} or less")
         return found
 
     def data_problems(self, args) -> list[str]:

@@ -76,3 +76,27 @@ def test_dynamic_rope_scaling_is_plain_rope_up_to_max_position_embeddings():
             beyond = plain(long, positions(long), runtime_gather_output=True)
     with torch.no_grad():  # transformers rescales beyond max_position_embeddings: plain RoPE differs there
         assert not torch.allclose(beyond[:, -1], hf_logits(reference, long)[:, -1], rtol=1e-4, atol=1e-5)
+
+
+def test_a_dynamic_rope_checkpoint_refuses_a_longer_seq_length_before_any_rank(tmp_path, capsys):
+    """Positions beyond max_position_embeddings are where rope_scaling 'dynamic' rescales (not built): one line,
+    exit 2, before any rank starts; at the limit the checks pass."""
+    import json
+
+    from mm_adaptor import train
+    from mm_adaptor.data.shapes import make_shapes
+
+    config = tiny_config(max_position_embeddings=64, rope_dynamic_factor=2.0)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(tiny_hf_config_dict(config)))
+    data = make_shapes(str(tmp_path / "shapes"), count=2, seed=0)
+    argv = ["--model", "internvl", "--load", str(tmp_path), "--data-path", data, "--nproc-per-node", "1",
+            "--train-iters", "1", "--micro-batch-size", "1"]
+    with pytest.raises(SystemExit) as exit_:
+        train.main([*argv, "--seq-length", "128"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--seq-length 128 is beyond the checkpoint's max_position_embeddings 64" in err[0], err
+    args = train.parse_args([*argv, "--seq-length", "64"])
+    train.finalize_args(args, 1)
+    assert not [p for p in train.families.of(args).problems(args) if "max_position_embeddings" in p]
