@@ -174,7 +174,7 @@ def _flash_attention_needs_megatron(attn, query, key, attention_mask, attention_
     from megatron.core.transformer.enums import AttnMaskType
 
     if packed_seq_params is not None:
-        return "packed sequences (megatron's DotProductAttention refuses them too)"
+        return "packed sequences (with --packing the varlen attention op serves them; otherwise megatron refuses them)"
     if attention_bias is not None:
         return "attention bias (megatron's DotProductAttention refuses it too)"
     if getattr(attn, "softmax_offset", None) is not None:

@@ -83,6 +83,15 @@ def test_packed_equals_padded(layout):
     assert len(on.losses) == 2
 
 
+def test_packing_beside_flash_attention():
+    """--use-flash-attn hands packed calls on to --packing's varlen attention (one warning says so): the run still
+    equals the padded one, and the varlen op served the packs."""
+    on, verdicts = reference("tp2-sp-rope").judge("--use-flash-attn")
+    failures = {group: v.failures[:3] for group, v in verdicts.items() if v.failures}
+    assert not failures, failures
+    assert "flash-attn" in on.features and on.memory["packed_attention"]["calls"] > 0
+
+
 @pytest.mark.parametrize("broken, layout", [("--use-test-packing-across-samples", "tp2-sp-rope"),
                                             ("--use-test-packing-across-samples", "vlm-pp2"),
                                             ("--use-test-packing-positions-continue", "pp2-learned")])
