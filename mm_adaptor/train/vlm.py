@@ -177,8 +177,8 @@ class VisionLanguage(Gpt):
         found = packing_problems(args)
         pp = args.pipeline_model_parallel_size
         if getattr(args, "context_parallel_size", 1) > 1 and not _has_field(self.spec, "context_parallel_size"):
-            found.append(f"--model {args.model}: --context-parallel-size above 1 is built for the GPT, Qwen2.5-VL and "
-                         "Qwen3-VL so far (not InternVL's towers): drop it")
+            found.append(f"--model {args.model}: --context-parallel-size above 1 is not built for this family (its "
+                         "model config has no context_parallel_size): drop it")
         if args.virtual_pipeline_model_parallel_size:
             found.append(f"--model {args.model}: virtual pipeline stages are not supported (the vision encoder "
                          "belongs to the first virtual stage only, not built yet): drop "

@@ -32,7 +32,7 @@ def test_two_ranks(algo, extra):
     assert stats[f"{algo} attention calls"] > 0
 
 
-@pytest.mark.parametrize("model", ["qwen2_5_vl-tiny", "qwen3_vl-tiny", "qwen3_vl_moe-tiny"])
+@pytest.mark.parametrize("model", ["qwen2_5_vl-tiny", "qwen3_vl-tiny", "qwen3_vl_moe-tiny", "internvl-tiny"])
 def test_the_tiny_vision_language_models(model):
     """The vision tower runs on whole images on every CP rank; the language model takes its part of the embeddings
     (vision rows placed), the multimodal rope its part of the 3-D positions (Qwen3-VL's interleaved one too), and

@@ -40,6 +40,7 @@ LAYOUTS = {
     # samples through the vision tower together, their rows at their own pad tokens
     "vlm-dp2": ["--model", "qwen2_5_vl-tiny", "--nproc-per-node", "2"],
     "qwen3-vl-dp2": ["--model", "qwen3_vl-tiny", "--nproc-per-node", "2"],  # DeepStack features per segment too
+    "internvl-dp2": ["--model", "internvl-tiny", "--nproc-per-node", "2"],  # 1-D rope, tiles
     "vlm-tp2-sp": ["--model", "qwen2_5_vl-tiny", "--tensor-model-parallel-size", "2", "--sequence-parallel",
                    "--nproc-per-node", "2"],
     "vlm-pp2": ["--model", "qwen2_5_vl-tiny", "--pipeline-model-parallel-size", "2", "--nproc-per-node", "2"],
@@ -108,7 +109,7 @@ def test_broken_packing_fails(broken, layout):
 
 @pytest.mark.parametrize("layout, algo", [("dp2-rope", "megatron_cp_algo"), ("dp2-rope", "ulysses_cp_algo"),
                                           ("vlm-dp2", "megatron_cp_algo"), ("vlm-dp2", "ulysses_cp_algo"),
-                                          ("qwen3-vl-dp2", "megatron_cp_algo")])
+                                          ("qwen3-vl-dp2", "megatron_cp_algo"), ("internvl-dp2", "megatron_cp_algo")])
 def test_packed_context_parallel_equals_padded_data_parallel(layout, algo):
     """--packing at --context-parallel-size 2 (every segment of a pack split over the two ranks, attention masked
     by segment and position; for the VLM the vision rows placed on the whole pack, then cut per segment, and the

@@ -55,8 +55,6 @@ def _assert_one_line_refusal(argv, expected, cwd=None):
       "--use-flash-attn"], ["--use-flash-attn and --context-parallel-size 2 both replace", "keep one"]),
     (["train", "--nproc-per-node", "4", "--tensor-model-parallel-size", "1", "--context-parallel-size", "4",
       "--context-parallel-algo", "hybrid_cp_algo"], ["hybrid_cp_algo needs --ulysses-degree-in-cp"]),
-    (["train", "--model", "internvl-tiny", "--nproc-per-node", "2", "--tensor-model-parallel-size", "1",
-      "--context-parallel-size", "2"], ["--model internvl-tiny: --context-parallel-size above 1 is built for"]),
     (["train", "--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--context-parallel-size", "2"],
      ["world size 2 is not divisible by --tensor-model-parallel-size 2 x --pipeline-model-parallel-size 1 x "
       "--context-parallel-size 2"]),
@@ -139,3 +137,15 @@ def test_check_without_layout_takes_the_parallel_flags_as_the_layout(layout_flag
                           "--hidden-size", "63")
     assert stdout == "status=2 torch_imported=False", (stdout, stderr)
     assert len(stderr) == 1 and "--hidden-size 63 is not divisible" in stderr[0], stderr
+
+
+def test_a_family_whose_config_has_no_context_parallel_size_refuses_it(monkeypatch):
+    """Every family built today takes CP; one whose model config lacks the field is refused in one line."""
+    from mm_adaptor.train import families, finalize_args, parse_args, vlm
+
+    args = parse_args(["--model", "internvl-tiny", "--nproc-per-node", "2", "--context-parallel-size", "2"])
+    finalize_args(args, 2)
+    family = families.of(args)
+    assert not [p for p in family.problems(args) if "context-parallel-size" in p]
+    monkeypatch.setattr(vlm, "_has_field", lambda spec, name: name != "context_parallel_size")
+    assert any("--context-parallel-size above 1 is not built for this family" in p for p in family.problems(args))

@@ -68,6 +68,7 @@ class InternVLConfig:
     pipeline_model_parallel_size: int = 1
     pipeline_layers: list[int] | None = None  # language layers per pipeline stage; None: even split
     sequence_parallel: bool = False
+    context_parallel_size: int = 1  # the language model's; the vision tower runs on whole tiles
     params_dtype: str = "float32"
     transformer_impl: str = "local"
     extra: dict = field(default_factory=dict)
@@ -333,5 +334,5 @@ def language_transformer_config(c: InternVLConfig):
         layernorm_epsilon=c.norm_epsilon, gated_linear_unit=True, activation_func=activation("silu"),
         add_bias_linear=False, add_qkv_bias=not qwen3, qk_layernorm=qwen3,
         pipeline_model_parallel_size=c.pipeline_model_parallel_size, sequence_parallel=c.sequence_parallel,
-        **kwargs, **common_fields(c, "RMSNorm"),
+        context_parallel_size=c.context_parallel_size, **kwargs, **common_fields(c, "RMSNorm"),
     )
