@@ -44,3 +44,17 @@ def local_tokens(segments: list[int], cp_rank: int, cp_size: int, device=None):
     index = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(segments)])
     position = torch.cat([torch.arange(n) for n in segments])
     return tuple(local_segments(t, cp_rank, cp_size, segments).to(device) for t in (index, position))
+
+
+def segment_lengths(cu_seqlens) -> list[int]:
+    """Segment lengths of cumulative bounds (a tensor or a list)."""
+    cu = cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else list(cu_seqlens)
+    return [b - a for a, b in zip(cu, cu[1:])]
+
+
+def context_parallel_part(x, cp_rank: int, cp_size: int, packed_seq_params=None, dim: int = 0):
+    """This CP rank's part of a whole sequence: its two chunks, or of a pack (megatron's PackedSeqParams with
+    cu_seqlens_q_padded) its two chunks of every segment."""
+    if packed_seq_params is None:
+        return local_half(x, cp_rank, cp_size, dim=dim)
+    return local_segments(x, cp_rank, cp_size, segment_lengths(packed_seq_params.cu_seqlens_q_padded), dim=dim)

@@ -13,7 +13,7 @@ from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 
-from mm_adaptor.core.sequence_split import local_half, local_segments
+from mm_adaptor.core.sequence_split import context_parallel_part
 from mm_adaptor.models.encoder_balance import ENCODER_CLOCK
 
 
@@ -139,12 +139,8 @@ class VisionLanguageModel(MegatronModule):
             embeddings = embeddings + sum(rows.sum() for rows in exchanged) * 0
         block_kwargs = self.block_kwargs(placed, text.dtype, packed_seq_params) if placed else None
         if self.config.context_parallel_size > 1:  # input_ids came whole: this CP rank's part of the sequence
-            rank, size = parallel_state.get_context_parallel_rank(), self.config.context_parallel_size
-            if packed_seq_params is None:
-                embeddings = local_half(embeddings, rank, size)
-            else:
-                cu = packed_seq_params.cu_seqlens_q_padded.tolist()
-                embeddings = local_segments(embeddings, rank, size, [b - a for a, b in zip(cu, cu[1:])])
+            embeddings = context_parallel_part(embeddings, parallel_state.get_context_parallel_rank(),
+                                               self.config.context_parallel_size, packed_seq_params)
         if self.config.sequence_parallel:
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
         return embeddings, block_kwargs

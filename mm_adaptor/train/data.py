@@ -87,15 +87,9 @@ class ContextParallelSlices:
         return self
 
     def __next__(self):
-        from mm_adaptor.core.sequence_split import local_half, local_segments
+        from mm_adaptor.core.sequence_split import context_parallel_part
 
         batch = next(self.batches)
-        packed = batch.get("packed_seq_params")
-        if packed is None:
-            return {name: local_half(t, self.cp_rank, self.cp_size, dim=1) if name in self.split else t
-                    for name, t in batch.items()}
-        # a pack (--packing): each segment is split as a sequence; packed_seq_params keep the whole pack's bounds
-        cu = packed.cu_seqlens_q_padded.tolist()
-        segments = [b - a for a, b in zip(cu, cu[1:])]
-        return {name: local_segments(t, self.cp_rank, self.cp_size, segments, dim=1) if name in self.split else t
+        packed = batch.get("packed_seq_params")  # a pack keeps the whole pack's bounds
+        return {name: context_parallel_part(t, self.cp_rank, self.cp_size, packed, dim=1) if name in self.split else t
                 for name, t in batch.items()}

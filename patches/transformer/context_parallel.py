@@ -21,7 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from mm_adaptor.core.sequence_split import chunks_of
+from mm_adaptor.core.sequence_split import chunks_of, segment_lengths
 from mm_adaptor.patches.transformer.context_parallel_blocks import (
     _AllToAll,
     _merge,
@@ -246,8 +246,7 @@ def forward_with_context_parallel(algo: str, ulysses_degree: int, calls: dict):
         if packed is not None:  # THD: [t, heads, d] with the batch of 1 squeezed
             from mm_adaptor.patches.transformer.packed_attention import segment_bounds
 
-            cu = segment_bounds(packed)[0].tolist()
-            segments = [b - a for a, b in zip(cu, cu[1:])]
+            segments = segment_lengths(segment_bounds(packed)[0])
             query, key, value = (x.unsqueeze(1) for x in (query, key, value))
             out = context_parallel_attention(query, key, value, ulysses, ring, scale=instance.softmax_scale,
                                              packed=(segments, dist.get_world_size(cp_group)))

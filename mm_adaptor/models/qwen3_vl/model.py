@@ -17,7 +17,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 
-from mm_adaptor.core.sequence_split import local_half, local_segments
+from mm_adaptor.core.sequence_split import context_parallel_part, local_half
 from mm_adaptor.models.qwen3_vl.config import (
     Qwen3VLConfig, language_transformer_config, projection_config, validate, vision_transformer_config,
 )
@@ -139,19 +139,6 @@ class Qwen3VLModel(VisionLanguageModel):
         return _deepstack_block_kwargs(visual, self.config.sequence_parallel, packed_seq_params)
 
 
-def context_parallel_part(x, packed_seq_params=None):
-    """This CP rank's part of a whole sequence-major [s, ...] tensor, as the embeddings are cut (of each segment of a
-    pack); x itself at CP 1."""
-    size = parallel_state.get_context_parallel_world_size()
-    if size == 1:
-        return x
-    rank = parallel_state.get_context_parallel_rank()
-    if packed_seq_params is None:
-        return local_half(x, rank, size)
-    cu = packed_seq_params.cu_seqlens_q_padded.tolist()
-    return local_segments(x, rank, size, [b - a for a, b in zip(cu, cu[1:])])
-
-
 def _deepstack_block_kwargs(visual, sequence_parallel: bool, packed_seq_params=None) -> dict:
     """{"context": [k, visual tokens of this rank, h] in sequence-major order, "context_mask": [s(/TP), b]}."""
     any_visual = visual[0][0].clone()
@@ -164,7 +151,10 @@ def _deepstack_block_kwargs(visual, sequence_parallel: bool, packed_seq_params=N
     # batch-major [b, s] rows -> the order of the [s, b] hidden states (this CP rank's part of them)
     rank_in_batch_major = torch.full(any_visual.shape, -1, dtype=torch.long, device=any_visual.device)
     rank_in_batch_major[any_visual] = torch.arange(count, device=any_visual.device)
-    order = context_parallel_part(rank_in_batch_major.t().contiguous(), packed_seq_params)
+    order = rank_in_batch_major.t().contiguous()
+    if parallel_state.get_context_parallel_world_size() > 1:  # cut as the embeddings are
+        order = context_parallel_part(order, parallel_state.get_context_parallel_rank(),
+                                      parallel_state.get_context_parallel_world_size(), packed_seq_params)
     mask = order >= 0
     features = features[:, order[mask]]
     if sequence_parallel:  # this rank's slice of the sequence; gradients summed over TP ranks on the way back
