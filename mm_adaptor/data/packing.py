@@ -192,16 +192,34 @@ def text_sample(seq, loss_mask=None) -> dict:
             "position_ids": torch.arange(length)}
 
 
+def _document_problems(args, model: str) -> list[str]:
+    flags = [flag for flag, dest in (("--reset-attention-mask", "reset_attention_mask"),
+                                     ("--reset-position-ids", "reset_position_ids")) if getattr(args, dest, False)]
+    if not flags:
+        return []
+    named = " and ".join(flags)
+    if model != "gpt":
+        verb = "fills" if len(flags) == 1 else "fill"
+        return [f"{named} {verb} the GPT's mock data rows with documents: drop {named} for --model {model}"]
+    if getattr(args, "packing", False):
+        return [f"--packing and {named} both split rows into samples (packs of samples, or documents ended by EOD "
+                "tokens): keep one"]
+    if getattr(args, "mock_lengths", "full") != "full":
+        return [f"{named} {'gives' if len(flags) == 1 else 'give'} every row documents of skewed lengths already: "
+                "drop --mock-lengths"]
+    return []
+
+
 def problems(args) -> list[str]:
-    """--packing's refusals and --mock-lengths' (one line each), before any rank starts."""
+    """--packing's refusals, --mock-lengths' and the documents' (one line each), before any rank starts."""
     model = getattr(args, "model", "gpt")
     synthetic = model == "gpt" or (model.endswith("-tiny") and not getattr(args, "data_path", None))
     if not synthetic and getattr(args, "mock_lengths", "full") != "full":
         return [f"--mock-lengths shapes the generated samples (the GPT's, a NAME-tiny's without --data-path): drop it "
                 f"for --model {model}" + (" with --data-path" if getattr(args, "data_path", None) else "")]
+    found = _document_problems(args, model)
     if not getattr(args, "packing", False):
-        return []
-    found = []
+        return found
     if args.micro_batch_size != 1:
         found.append(f"--packing packs each micro-batch into one row of --seq-length tokens: give --micro-batch-size "
                      f"1, not {args.micro_batch_size} (a step still trains --global-batch-size samples)")

@@ -112,6 +112,12 @@ def build_parser(prog: str = "mm-adaptor train") -> argparse.ArgumentParser:
                    help="the generated samples (the GPT's mock data; a NAME-tiny's images and text without "
                         "--data-path): all --seq-length tokens (full), or 1/16 of it to all of it, most short "
                         "(skewed: padded to --seq-length with the loss masked, unless --packing)")
+    t.add_argument("--reset-attention-mask", action="store_true",
+                   help="the GPT's mock data as Megatron-LM's documents: each row holds generated documents of skewed "
+                        "lengths, each ended by an EOD token (id --vocab-size - 1), and Megatron-LM's per-document "
+                        "attention mask (built by megatron.core's GPT data set)")
+    t.add_argument("--reset-position-ids", action="store_true",
+                   help="the same documents, with positions restarting after each EOD (Megatron-LM's flag)")
     t.add_argument("--log-interval", type=int, default=1)
     t.add_argument("--save", type=str, default=None, help="checkpoint directory to save into")
     t.add_argument("--save-interval", type=int, default=None, help="default: save once, at the end")

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 
-def sample_length(args, gen, shortest: int = 2) -> int:
-    """--seq-length; with --mock-lengths skewed, 1/16 of it (at least `shortest`) to all of it, most samples short
-    (u^3), drawn from `gen`."""
+def documents_in_rows(args) -> bool:
+    """--reset-attention-mask or --reset-position-ids: the GPT's rows hold documents ended by EOD tokens."""
+    return bool(getattr(args, "reset_attention_mask", False) or getattr(args, "reset_position_ids", False))
+
+
+def sample_length(args, gen, shortest: int = 2, skewed: bool = False) -> int:
+    """--seq-length; with --mock-lengths skewed (or `skewed`), 1/16 of it (at least `shortest`) to all of it, most
+    samples short (u^3), drawn from `gen`."""
     import torch
 
     full = args.seq_length
-    if getattr(args, "mock_lengths", "full") != "skewed":
+    if not skewed and getattr(args, "mock_lengths", "full") != "skewed":
         return full
     low = min(full, max(shortest, full // 16))
     return low + int((full - low) * float(torch.rand(1, generator=gen)) ** 3)
@@ -47,6 +52,37 @@ class MockBatches:
     def length(self, gen) -> int:
         return sample_length(self.args, gen)
 
+    def documents(self, global_index: int) -> dict:
+        """Row `global_index` as Megatron-LM's GPT data set gives it: documents (drawn as --mock-lengths skewed
+        draws samples) each ended by the EOD token, cut at --seq-length + 1 tokens; megatron.core's own function
+        builds its per-document mask [1, s, s] (--reset-attention-mask) and positions (--reset-position-ids)."""
+        from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+        torch = self.torch
+        a = self.args
+        eod = a.vocab_size - 1
+        alphabet = min(eod, self.ALPHABET)
+        gen = torch.Generator().manual_seed(a.seed * 1_000_003 + global_index)
+        pieces, filled = [], 0
+        while filled < a.seq_length + 1:
+            length = max(1, sample_length(a, gen, skewed=True) // 2)
+            start = int(torch.randint(0, alphabet, (1,), generator=gen))
+            stride = int(torch.randint(1, 8, (1,), generator=gen))
+            pieces += [(start + stride * torch.arange(length)) % alphabet, torch.tensor([eod])]
+            filled += length + 1
+        seq = torch.cat(pieces)[:a.seq_length + 1]
+        tokens = seq[:-1].contiguous()
+        mask, loss_mask, position_ids = _get_ltor_masks_and_position_ids(
+            tokens, eod, a.reset_position_ids, a.reset_attention_mask, False, a.reset_attention_mask)
+        row = {"tokens": tokens, "labels": seq[1:].contiguous(), "position_ids": position_ids, "loss_mask": loss_mask}
+        return row | ({"attention_mask": mask} if a.reset_attention_mask else {})
+
+    def advance(self) -> None:
+        self.microbatch += 1
+        if self.microbatch == self.args.num_microbatches:
+            self.microbatch = 0
+            self.iteration += 1
+
     def __iter__(self):
         return self
 
@@ -55,11 +91,12 @@ class MockBatches:
         a = self.args
         base = (self.iteration * a.global_batch_size + self.microbatch * a.micro_batch_size * a.data_parallel_size
                 + self.dp_rank * a.micro_batch_size)
+        if documents_in_rows(a):
+            rows = [self.documents(base + j) for j in range(a.micro_batch_size)]
+            self.advance()
+            return {name: torch.stack([row[name] for row in rows]).to(self.device) for name in rows[0]}
         samples = [self.sample(base + j) for j in range(a.micro_batch_size)]
-        self.microbatch += 1
-        if self.microbatch == a.num_microbatches:
-            self.microbatch = 0
-            self.iteration += 1
+        self.advance()
         seqs = torch.zeros(len(samples), a.seq_length + 1, dtype=torch.long)
         loss_mask = torch.zeros(len(samples), a.seq_length)
         for row, seq in enumerate(samples):  # a shorter sample (--mock-lengths skewed): padded, its loss masked

@@ -49,7 +49,8 @@ def forward_step(data_iterator, model):
 
     batch = next(data_iterator)
     packed = {"packed_seq_params": batch["packed_seq_params"]} if "packed_seq_params" in batch else {}
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], **packed)
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
+                   **packed)
     return output, partial(loss_func, batch["loss_mask"])
 
 

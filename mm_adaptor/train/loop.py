@@ -241,6 +241,10 @@ def _train(args, backend) -> None:
         from mm_adaptor.patches.transformer.packed_attention import CALLS
 
         state.memory["packed_attention"] = {"calls": CALLS.calls, "last_cu_seqlens": CALLS.last_cu_seqlens}
+    if getattr(args, "reset_attention_mask", False):
+        from mm_adaptor.patches.transformer.document_masks import DOCUMENTS
+
+        state.memory["document_attention"] = {"calls": DOCUMENTS.calls, "last_cu_seqlens": DOCUMENTS.last_cu_seqlens}
     if getattr(args, "model", "gpt") != "gpt":
         from mm_adaptor.models.encoder_balance import BALANCE, ENCODER_CLOCK
 

@@ -219,13 +219,16 @@ class CausalMaskRule:
         return True
 
 
-def dot_product_attention_forward_flash(wrapped, instance, args, kwargs, causal_masks: CausalMaskRule | None = None):
+def dot_product_attention_forward_flash(wrapped, instance, args, kwargs, causal_masks: CausalMaskRule | None = None,
+                                        documents=None):
     """DotProductAttention.forward on mm_adaptor.ops.flash_attention (PyTorch's fused kernels: no s x s
     scores kept for backward). Returns [sq, b, hp] like megatron.
 
     Mirrors megatron's torch softmax path: the sliding-window mask replaces a given mask; without a mask the causal
     mask type builds the causal mask; a mask `causal_masks` knows to be Megatron's default causal one is not read
-    (causal attention computes it); QK layer scaling's coefficient cancels out (fp32 scores here); the dropout
+    (causal attention computes it); a per-document mask (--reset-attention-mask) `documents` (a
+    document_masks.DocumentAttention) recognises runs the varlen op on its documents, without dropout only; QK layer
+    scaling's coefficient cancels out (fp32 scores here); the dropout
     probability is the module's, in training only, drawn inside the RNG tracker's fork unless sequence parallel."""
     from megatron.core import tensor_parallel
     from megatron.core.transformer.enums import AttnMaskType
@@ -249,9 +252,13 @@ def dot_product_attention_forward_flash(wrapped, instance, args, kwargs, causal_
     elif causal_type and causal_masks is not None and causal_masks.is_default_causal(mask, query.shape[0],
                                                                                       key.shape[0]):
         mask = None
-    causal = mask is None and causal_type and query.shape[0] > 1
     scale = instance.softmax_scale * (softmax.scale or 1.0)
     dropout_p = instance.attention_dropout.p if instance.training else 0.0
+    if causal_type and mask is not None and documents is not None and dropout_p == 0:
+        segments = documents.segments(mask, query.shape[1], query.shape[0], key.shape[0])
+        if segments is not None:
+            return documents.attend(query, key, value, segments, scale)
+    causal = mask is None and causal_type and query.shape[0] > 1
 
     def attend():
         return ops.flash_attention(query, key, value, causal=causal, attention_mask=mask, scale=scale,

@@ -32,6 +32,20 @@ def _continuous_positions(wrapped, instance, args, kwargs):
     return batch
 
 
+def _first_document_one_token_late(wrapped, instance, args, kwargs):
+    """The first boundary of each per-document mask row read one token late: the second document's first token
+    attends to the whole first document."""
+    rows = wrapped(*args, **kwargs)
+
+    def late(lengths):
+        if len(lengths) < 2:
+            return lengths
+        first, second, *rest = lengths
+        return [first + 1, second - 1, *rest] if second > 1 else [first + second, *rest]
+
+    return None if rows is None else [late(lengths) for lengths in rows]
+
+
 class BrokenPacking(Feature):
     tolerance = TOLERANCE
     wraps: tuple = ()  # (target, wrapper)
@@ -58,3 +72,11 @@ class PackingPositionsContinue(BrokenPacking):
     flags = (Flag("--use-test-packing-positions-continue", description),)
     wraps = (("mm_adaptor.data.packing.packed_seq_params", _continuous_params),
              ("mm_adaptor.data.packing.pack", _continuous_positions))
+
+
+@register
+class DocumentsOneTokenLate(BrokenPacking):
+    name = "test-documents-one-token-late"
+    description = "per-document masks read with each row's first document boundary one token late"
+    flags = (Flag("--use-test-documents-one-token-late", description),)
+    wraps = (("mm_adaptor.patches.transformer.document_masks.document_lengths", _first_document_one_token_late),)

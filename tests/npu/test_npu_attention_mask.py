@@ -2,6 +2,8 @@
 materialised [b, 1, s, s] causal mask; npu_fusion_attention must get the compressed 2048x2048 mask with a causal
 sparse mode (2 or 3) instead, recognised without reading the device, and no layer may read the device from the host
 (the old per-layer `bool(fully_masked.any())`). Arbitrary masks still go whole (sparse mode 0) with the old numbers.
+With --reset-attention-mask its per-document masks run the TND layout on their documents, read once per mask (one
+copy to the host per step), not per layer.
 The old code (the full mask, a read per layer) is kept here as a broken variant the same checks must reject, and the
 FAKE torch_npu refuses what torch_npu documents as giving wrong results (another mask for sparse modes 2 and 3)."""
 
@@ -103,7 +105,9 @@ kernel = torch_npu.npu_fusion_attention
 
 
 def recording(*args, **kwargs):  # metadata only: reading the mask here would itself be a host read
-    calls.append({"sparse_mode": kwargs.get("sparse_mode", 0), "mask": kwargs.get("atten_mask")})
+    calls.append({"sparse_mode": kwargs.get("sparse_mode", 0), "mask": kwargs.get("atten_mask"),
+                  "layout": args[4] if len(args) > 4 else kwargs.get("input_layout"),
+                  "seq_qlen": kwargs.get("actual_seq_qlen")})
     return kernel(*args, **kwargs)
 
 
@@ -116,6 +120,7 @@ def described(recorded):
     for c in recorded:
         mask = c["mask"]
         out.append({"sparse_mode": c["sparse_mode"], "shape": None if mask is None else list(mask.shape),
+                    "layout": c["layout"], "seq_qlen": c["seq_qlen"],
                     "dtype": None if mask is None else str(mask.dtype),
                     "compressed_causal": mask is not None and tuple(mask.shape) == (2048, 2048)
                     and torch.equal(mask.cpu().bool(), compressed)})
@@ -176,6 +181,11 @@ def same(a, b):
     return all(torch.equal(x, y) for ra, rb in zip(a["results"], b["results"]) for x, y in zip(ra, rb))
 
 
+def close(a, b):
+    return all(torch.allclose(x, y, rtol=1e-5, atol=1e-5) for ra, rb in zip(a["results"], b["results"])
+               for x, y in zip(ra, rb))
+
+
 t = torch.tensor([1.0, 0.0, 2.0], device="npu")
 READS = {"item": lambda: t[0].item(), "bool": lambda: bool(t[0]), "if": lambda: 1 if t.any() else 0,
          "float": lambda: float(t[0]), "tolist": lambda: t.tolist(), "cpu": lambda: t.cpu(),
@@ -214,11 +224,14 @@ with own_rendezvous():
     fixed = out["fixed"] = run(block, causal)
     enable(reset_attention_mask=False)  # a fresh rule: a script of its own passes per-document masks
     documents_on_causal_config = out["documents_on_causal_config"] = run(block, documents)
-    enable(reset_attention_mask=True)
+    enable()  # options without reset_attention_mask (a script of its own): every mask goes whole
     arbitrary = out["arbitrary"] = run(block, documents)
     causal_whole = run(block, causal)
     out["fixed_equals_whole_mask"] = same(fixed, causal_whole)
     out["documents_on_causal_config_equals_whole"] = same(documents_on_causal_config, arbitrary)
+    enable(reset_attention_mask=True)  # Megatron-LM's per-document masks: the TND layout on their documents
+    per_document = out["per_document"] = run(block, documents)
+    out["per_document_close_to_whole"] = close(per_document, arbitrary)
 
     # the old code: its op (a host read per layer) and its patch (no rule: the default causal mask goes whole)
     npu_attention.fusion_attention, new_op = old_fusion_attention, npu_attention.fusion_attention
@@ -252,10 +265,10 @@ with own_rendezvous():
     cpu_causal = lambda: batch(False, device="cpu")
     enable(reset_attention_mask=False)
     cpu_rule = run(cpu_block, cpu_causal)
-    enable(reset_attention_mask=True)
+    enable()
     out["cpu_rule_equals_mask"] = same(cpu_rule, run(cpu_block, cpu_causal))
     mm_adaptor.disable(keep_device=True)
-    for r in (fixed, documents_on_causal_config, arbitrary, old):
+    for r in (fixed, documents_on_causal_config, arbitrary, per_document, old):
         del r["results"]
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
@@ -298,14 +311,28 @@ def test_no_layer_reads_the_device_from_the_host(runs):
     for name in ("fixed", "arbitrary", "documents_on_causal_config"):
         assert_no_host_read(runs[name])
     assert runs["op_host_reads"]["new"] == []
-    # the rule's one comparison, with the first mask of a run; none with --reset-attention-mask
+    # the rule's one comparison, with the first mask of a run; none for masks that go whole
     assert runs["fixed"]["first_step_host_reads"] == ["aten::equal"]
     assert runs["documents_on_causal_config"]["first_step_host_reads"] == ["aten::equal"]
     assert runs["arbitrary"]["first_step_host_reads"] == []
 
 
+def test_per_document_masks_run_the_tnd_layout_read_once_per_mask(runs):
+    """--reset-attention-mask: each step's fresh mask is read once (its documents, one copy to the host), its
+    layers then run npu_fusion_attention's TND layout on the documents with the causal sparse mode, and the numbers
+    are the whole mask's within the kernels' rounding."""
+    run = runs["per_document"]
+    assert run["host_reads"] == ["aten::_to_copy"] * STEPS, run["host_reads"]
+    assert len(run["calls"]) == LAYERS * STEPS, run["calls"]
+    for call in run["calls"]:  # rows (5, 10) and (7,) of 16 tokens: documents 6, 5, 5 and 8, 8
+        assert call["layout"] == "TND" and call["seq_qlen"] == [6, 11, 16, 24, 32], call
+        assert call["sparse_mode"] == 3 and call["compressed_causal"], call
+    assert run["warnings"] == []
+    assert runs["per_document_close_to_whole"]
+
+
 def test_arbitrary_masks_go_whole_with_the_old_numbers(runs):
-    assert_whole(runs["arbitrary"])  # --reset-attention-mask: per-document masks
+    assert_whole(runs["arbitrary"])  # per-document masks from a script of its own
     assert runs["arbitrary_equals_old"]
     assert runs["op_fully_masked_row_equals_old"]  # uniform rows, now selected on the device
 

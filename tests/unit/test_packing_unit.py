@@ -134,10 +134,19 @@ REFUSED = [
     (["--packing", "--micro-batch-size", "1", "--attention-dropout", "0.1"], "give --attention-dropout 0"),
     (["--mock-lengths", "skewed", "--model", "qwen2_5_vl-tiny", "--data-path", "pyproject.toml"],
      "drop it for --model qwen2_5_vl-tiny with --data-path"),
+    (["--reset-attention-mask", "--packing", "--micro-batch-size", "1"],
+     "--packing and --reset-attention-mask both split rows into samples"),
+    (["--reset-position-ids", "--model", "qwen2_5_vl-tiny"], "fills the GPT's mock data rows with documents: drop --reset-position-ids for --model"),
+    (["--reset-attention-mask", "--reset-position-ids", "--mock-lengths", "skewed"],
+     "--reset-attention-mask and --reset-position-ids give every row documents of skewed lengths already"),
+    (["--reset-attention-mask", "--context-parallel-size", "2", "--seq-length", "64"],
+     "--reset-attention-mask's document masks are not served"),
 ]
 
 
-@pytest.mark.parametrize("argv, expected", REFUSED, ids=["micro-batch", "vpp", "dropout", "mock-lengths-data-set"])
+@pytest.mark.parametrize("argv, expected", REFUSED, ids=["micro-batch", "vpp", "dropout", "mock-lengths-data-set",
+                                                         "documents-packing", "documents-vlm", "documents-lengths",
+                                                         "documents-context-parallel"])
 def test_refusals_are_one_line_and_exit_2_before_any_rank(argv, expected, capsys):
     with pytest.raises(SystemExit) as exit_:
         main([*argv, "--nproc-per-node", "2", "--train-iters", "1"])
