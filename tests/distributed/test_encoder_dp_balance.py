@@ -3,7 +3,7 @@ set (images of 112 to 308 px sides, 4 per micro-batch and rank): the balanced ru
 same losses, module outputs, every step's gradients and the parameters within the calibrated rounding noise
 (measured: losses and module outputs equal, the vision tower's gradients 0.54 x the limit: the encoder's weight
 gradients summed over other images per rank); the patches per rank more even and images moved (the mechanism
-ran). Broken variants must fail: embeddings handed back to the wrong images, gradients not sent home. The
+ran); the same at TP2+SP and PP2 beside DP2 on four ranks. Broken variants must fail: embeddings handed back to the wrong images, gradients not sent home. The
 assignment and the refusals are tested without ranks."""
 
 import functools
@@ -20,13 +20,20 @@ TOLERANCE = Tolerance(exact=False, factor=1.0, why="each image encoded alone; we
                                                    "images per rank, then over the ranks")
 
 
+# beside DP2: the tensor-parallel ranks of a DP rank hold the same images and must move the same ones; at PP2 only
+# the first stage has a vision tower
+LAYOUTS = {"dp2": ["--nproc-per-node", "2"],
+           "tp2-dp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--nproc-per-node", "4"],
+           "pp2-dp2": ["--pipeline-model-parallel-size", "2", "--nproc-per-node", "4"]}
+
+
 @functools.lru_cache(maxsize=None)
-def unbalanced(data_dir):
+def unbalanced(data_dir, layout="dp2"):
     from mm_adaptor.data.shapes import make_shapes
 
     shapes = make_shapes(data_dir, count=16, seed=3)
     model = ["--model", "qwen2_5_vl-tiny", "--data-path", shapes, "--num-layers", "2", "--seq-length", "512",
-             "--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters", "2", "--nproc-per-node", "2"]
+             "--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters", "2", *LAYOUTS[layout]]
     off_args = checked_args(model)
     off = baseline.cached_run(off_args)
     noise = [rounding_noise_run(off_args, parts=parts) for parts in NOISE_PARTS]
@@ -35,12 +42,13 @@ def unbalanced(data_dir):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return unbalanced(str(tmp_path_factory.mktemp("shapes")))
+    return unbalanced(str(tmp_path_factory.getbasetemp() / "shapes"))
 
 
 @pytest.mark.distributed
-def test_balanced_equals_unbalanced_and_evens_the_encoders_work(reference):
-    model, off, limits = reference
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_balanced_equals_unbalanced_and_evens_the_encoders_work(tmp_path_factory, layout):
+    model, off, limits = unbalanced(str(tmp_path_factory.getbasetemp() / "shapes"), layout)
     on = train.run(checked_args([*model, "--encoder-dp-balance"]))
     verdicts = verdict.judge(off, on, limits)
     failures = {group: v.failures[:3] for group, v in verdicts.items() if v.failures}

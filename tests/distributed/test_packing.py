@@ -45,6 +45,12 @@ LAYOUTS = {
                    "--nproc-per-node", "2"],
     "vlm-pp2": ["--model", "qwen2_5_vl-tiny", "--pipeline-model-parallel-size", "2", "--nproc-per-node", "2"],
 }
+# the padded runs packed context parallelism beside TP+SP or PP is judged by (four ranks: CP2 against DP2)
+CONTEXT_PARALLEL_REFERENCES = {
+    "tp2-sp-dp2-rope": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--position-embedding-type",
+                        "rope", "--nproc-per-node", "4"],
+    "pp2-dp2-learned": ["--pipeline-model-parallel-size", "2", "--nproc-per-node", "4"],
+}
 
 
 class PackedAgainstPadded:
@@ -65,7 +71,7 @@ class PackedAgainstPadded:
 
 @functools.lru_cache(maxsize=None)
 def reference(layout: str) -> PackedAgainstPadded:
-    return PackedAgainstPadded(LAYOUTS[layout])
+    return PackedAgainstPadded({**LAYOUTS, **CONTEXT_PARALLEL_REFERENCES}[layout])
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -109,7 +115,9 @@ def test_broken_packing_fails(broken, layout):
 
 @pytest.mark.parametrize("layout, algo", [("dp2-rope", "megatron_cp_algo"), ("dp2-rope", "ulysses_cp_algo"),
                                           ("vlm-dp2", "megatron_cp_algo"), ("vlm-dp2", "ulysses_cp_algo"),
-                                          ("qwen3-vl-dp2", "megatron_cp_algo"), ("internvl-dp2", "megatron_cp_algo")])
+                                          ("qwen3-vl-dp2", "megatron_cp_algo"), ("internvl-dp2", "megatron_cp_algo"),
+                                          ("tp2-sp-dp2-rope", "megatron_cp_algo"),
+                                          ("pp2-dp2-learned", "ulysses_cp_algo")])
 def test_packed_context_parallel_equals_padded_data_parallel(layout, algo):
     """--packing at --context-parallel-size 2 (every segment of a pack split over the two ranks, attention masked
     by segment and position; for the VLM the vision rows placed on the whole pack, then cut per segment, and the
