@@ -8,6 +8,10 @@ balance); likewise the patches each rank encodes (max / mean per micro-batch, av
 the last loss (equal: the balance changes no number beyond rounding).
 
     python benchmarks/encoder_balance.py [--samples 32] [--micro-batch 8] [--steps 3] [--layers 2]
+                                         [--context-parallel-size 2]
+
+With --context-parallel-size 2 the two ranks are context-parallel ranks of one data-parallel rank: unbalanced, each
+encodes all the micro-batch's images; balanced, they share them.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--context-parallel-size", type=int, default=1, choices=(1, 2))
     args = parser.parse_args()
     from mm_adaptor import train
     from mm_adaptor.harness.compare import checked_args
@@ -37,7 +42,8 @@ def main() -> None:
         data = make_data(folder, 4 * args.samples, args.seed, MIX)
         base = ["--model", "qwen2_5_vl-tiny", "--data-path", data, "--num-layers", str(args.layers),
                 "--seq-length", "1024", "--micro-batch-size", str(args.micro_batch), "--global-batch-size",
-                str(args.samples), "--train-iters", str(args.steps), "--seed", str(args.seed), "--nproc-per-node", "2"]
+                str(args.samples), "--train-iters", str(args.steps), "--seed", str(args.seed), "--nproc-per-node", "2",
+                "--context-parallel-size", str(args.context_parallel_size)]
         rows = {}
         for name, extra in (("unbalanced", []), ("--encoder-dp-balance", ["--encoder-dp-balance"])):
             dump = train.run(checked_args([*base, *extra]))
@@ -51,7 +57,8 @@ def main() -> None:
     before = [b for b, _ in balance["per_call"]]
     rows["unbalanced"] = (*rows["unbalanced"][:2], before, *rows["unbalanced"][3:])
     print(f"# {device_name('cpu')}, megatron-core {package_version('megatron-core')}; tiny Qwen2.5-VL, {args.layers} "
-          f"language layers, fp32, 2 data-parallel ranks (gloo), {args.samples} samples per step in micro-batches of "
+          f"language layers, fp32, 2 {'context' if args.context_parallel_size > 1 else 'data'}-parallel ranks "
+          f"(gloo), {args.samples} samples per step in micro-batches of "
           f"{args.micro_batch} ({MIX[0][0]:.0%} {MIX[0][1]}px, {MIX[1][0]:.0%} {MIX[1][1]}px images), {args.steps} "
           f"steps; encoder seconds per micro-batch: host time, the first left out")
     print("| run | encoder s, slowest rank per micro-batch | the mean rank's | slowest / mean | patches max / mean "

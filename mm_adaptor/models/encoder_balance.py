@@ -1,19 +1,24 @@
-"""--encoder-dp-balance (MindSpeed-MM's name): the vision encoder's images spread over the data-parallel group by
-patch count, so that each rank's encoder work is even; the embeddings go back to their samples' ranks.
+"""--encoder-dp-balance (MindSpeed-MM's name): the vision encoder's images spread over the data-parallel group (with
+its context-parallel ranks) by patch count, so that each rank's encoder work is even; the embeddings go back to the
+ranks that hold their samples.
 
-Per micro-batch and visual kind (images, videos), every rank of the group:
-1. shares its images' grids (all-gather: counts, then the [t, h, w] rows);
-2. assigns the group's images to ranks, longest first, each to the rank with the fewest patches so far (ties: the
-   image's own rank, then the lowest rank); the same on every rank, from the same grids;
-3. sends the pixels of the images assigned elsewhere (an all-to-all of patch rows; pixels need no gradient);
+A rank's images are its home's: its data-parallel rank's micro-batch. The context-parallel ranks of one home hold
+the same images and each needs all their rows (it cuts its part of the sequence after placing them); unbalanced, each
+encodes all of them. Per micro-batch and visual kind (images, videos), every rank of the group:
+1. shares its images' grids and its home (all-gather: counts and homes, then the [t, h, w] rows);
+2. assigns the images of every home to ranks, longest first, each to the rank with the fewest patches so far (ties:
+   a rank of the image's home, then the lowest rank); the same on every rank, from the same grids;
+3. sends the pixels of images assigned outside their home (an all-to-all of patch rows; pixels need no gradient);
 4. runs the encoder on the images it was given, in (source rank, image) order;
-5. returns the embeddings with an all-to-all whose backward sends their gradients back to the rank that computed
-   them, so a trainable encoder learns from every image as without the balance.
+5. returns the embeddings to every rank of their home with an all-to-all whose backward sends their gradients
+   back to the rank that computed them (summed over the home's ranks), so a trainable encoder learns from every
+   image as without the balance.
 
 Each image's encoder work is its own (attention within the image, row-wise layers), so the result equals the
-unbalanced run up to the rounding of products over other row counts; the gradients summed over data-parallel
-ranks are the same sums. A family whose encoder returns more than rows (Qwen3-VL's DeepStack features) is refused
-before any rank starts. Statistics per rank (patches before and after, images moved) are in BALANCE."""
+unbalanced run up to the rounding of products over other row counts; the gradients summed over the data-parallel
+(and context-parallel) ranks are the same sums. A family whose encoder returns more than rows (Qwen3-VL's DeepStack
+features) is refused before any rank starts. Statistics per rank (patches before and after, images moved out of
+their home) are in BALANCE."""
 
 from __future__ import annotations
 
@@ -65,16 +70,19 @@ class EncoderClock:
 ENCODER_CLOCK = EncoderClock()
 
 
-def assign(grids: list[list[tuple[int, int, int]]]) -> list[list[int]]:
-    """owner[rank][image]: the rank that encodes each image of each rank (longest processing time first)."""
-    size = len(grids)
-    load = [0] * size
+def assign(grids: list[list[tuple[int, int, int]]], holders: list[list[int]] | None = None) -> list[list[int]]:
+    """owner[home][image]: the rank that encodes each image of each home (longest processing time first). A home's
+    images are held by the ranks holders[home] (default: rank `home` alone); on ties an image goes to a holder, the
+    least loaded first, so even loads move nothing."""
+    holders = holders or [[home] for home in range(len(grids))]
+    load = [0] * (1 + max(r for rs in holders for r in rs))
     owner = [[0] * len(g) for g in grids]
-    images = [(t * h * w, rank, i) for rank, g in enumerate(grids) for i, (t, h, w) in enumerate(g)]
-    for patches, rank, i in sorted(images, key=lambda x: (-x[0], x[2], x[1])):  # ranks in turn: equal loads stay
+    images = [(t * h * w, home, i) for home, g in enumerate(grids) for i, (t, h, w) in enumerate(g)]
+    for patches, home, i in sorted(images, key=lambda x: (-x[0], x[2], x[1])):  # homes in turn: equal loads stay
         least = min(load)
-        chosen = rank if load[rank] == least else load.index(least)
-        owner[rank][i] = chosen
+        at_home = [r for r in holders[home] if load[r] == least]
+        chosen = at_home[0] if at_home else load.index(least)
+        owner[home][i] = chosen
         load[chosen] += patches
     return owner
 
@@ -96,60 +104,77 @@ class _Exchange(torch.autograd.Function):
         return out, None, None, None
 
 
-def _gather_grids(grid, pixels, group, device) -> tuple[list[list[tuple[int, int, int]]], int]:
-    """Every rank's image grids, and the length of a pixel row (from any rank that has pixels)."""
+def _gather_grids(grid, pixels, home: int, group, device):
+    """Every rank's image grids, every rank's home, and the length of a pixel row (from any rank with pixels)."""
     size = dist.get_world_size(group)
     mine = torch.zeros(0, 4, dtype=torch.long, device=device)
     if grid is not None and grid.shape[0]:
         mine = torch.cat([grid.to(device=device, dtype=torch.long),
                           torch.full((grid.shape[0], 1), pixels.shape[-1], dtype=torch.long, device=device)], dim=1)
-    counts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(size)]
-    dist.all_gather(counts, torch.tensor([mine.shape[0]], dtype=torch.long, device=device), group=group)
-    padded = torch.zeros(max(int(c) for c in counts), 4, dtype=torch.long, device=device)
+    counts = [torch.zeros(2, dtype=torch.long, device=device) for _ in range(size)]
+    dist.all_gather(counts, torch.tensor([mine.shape[0], home], dtype=torch.long, device=device), group=group)
+    padded = torch.zeros(max(int(c[0]) for c in counts), 4, dtype=torch.long, device=device)
     padded[:mine.shape[0]] = mine
     gathered = [torch.empty_like(padded) for _ in range(size)]
     dist.all_gather(gathered, padded, group=group)
-    rows = [g[:int(c)].tolist() for g, c in zip(gathered, counts)]
+    rows = [g[:int(c[0])].tolist() for g, c in zip(gathered, counts)]
     width = max((r[3] for g in rows for r in g), default=0)
-    return [[tuple(r[:3]) for r in g] for g in rows], width
+    return [[tuple(r[:3]) for r in g] for g in rows], [int(c[1]) for c in counts], width
 
 
 def balanced_rows(encode, pixels, grid, group, *, merge: int, hidden: int, dtype, trainable: bool, device,
-                  return_order=None):
-    """The rows [visual tokens of this rank's own images, hidden] in image order, the images encoded where
-    assign() put them: encode(pixels, grid) -> rows. Every rank of `group` calls it for every micro-batch and visual
-    kind, with or without images (pixels None). merge: patches per row (the spatial merge size squared); dtype and
-    trainable: the encoder's output's, for a rank that encodes nothing. return_order: only for the broken variant
-    that hands rows back to the wrong images."""
+                  home: int | None = None, return_order=None):
+    """The rows [visual tokens of this rank's images, hidden] in image order, the images encoded where assign() put
+    them: encode(pixels, grid) -> rows. Every rank of `group` calls it for every micro-batch and visual kind, with or
+    without images (pixels None). home: which images this rank holds (its data-parallel rank; default its rank in
+    the group): ranks with one home (context-parallel ranks) hold the same images, share the work of encoding them
+    and each get all their rows. merge: patches per row (the spatial merge size squared); dtype and trainable: the
+    encoder's output's, for a rank that encodes nothing. return_order: only for the broken variant that hands rows
+    back to the wrong images."""
     size, me = dist.get_world_size(group), dist.get_rank(group)
-    grids, width = _gather_grids(grid, pixels, group, device)
-    owner = assign(grids)
+    grids_of_rank, home_of, width = _gather_grids(grid, pixels, me if home is None else home, group, device)
+    homes = sorted(set(home_of))
+    holders = [[r for r in range(size) if home_of[r] == h] for h in homes]
+    grids = [grids_of_rank[rs[0]] for rs in holders]
+    mine = homes.index(home_of[me])
+    owner = assign(grids, holders)
     patches = [[t * h * w for t, h, w in g] for g in grids]
-    # pixels out, to each rank its images in image order (fp32 in transit: exact for any pixel dtype; the encoder
-    # casts to its own)
-    mine = list(pixels.float().split(patches[me])) if patches[me] else []
-    send = [sum(p for p, o in zip(patches[me], owner[me]) if o == a) for a in range(size)]
-    receive = [sum(p for p, o in zip(patches[s], owner[s]) if o == me) for s in range(size)]
-    outgoing = [mine[i] for a in range(size) for i, o in enumerate(owner[me]) if o == a]
+    images = [(h, i) for h in range(len(homes)) for i in range(len(grids[h]))]
+
+    def sender(h, i):  # who sends an image's pixels to its owner: the owner if it holds them, else one holder
+        return owner[h][i] if owner[h][i] in holders[h] else holders[h][i % len(holders[h])]
+
+    # pixels out, to each rank its images in (home, image) order (fp32 in transit: exact for any pixel dtype; the
+    # encoder casts to its own)
+    pieces = list(pixels.float().split(patches[mine])) if patches[mine] else []
+    sent = [[(h, i) for h, i in images if sender(h, i) == me and owner[h][i] == a] for a in range(size)]
+    outgoing = [pieces[i] for a in range(size) for _, i in sent[a]]
     out = torch.cat(outgoing) if outgoing else torch.zeros(0, width, device=device)
+    kept = [[(h, i) for h, i in images if sender(h, i) == s and owner[h][i] == me] for s in range(size)]
+    send = [sum(patches[h][i] for h, i in sent[a]) for a in range(size)]
+    receive = [sum(patches[h][i] for h, i in kept[s]) for s in range(size)]
     given = torch.empty(sum(receive), width, device=device)
     dist.all_to_all_single(given, out.contiguous(), receive, send, group=group)
     # the encoder on the images given to this rank, by source rank then image
-    kept = [(s, i) for s in range(size) for i, o in enumerate(owner[s]) if o == me]
+    kept = [hi for s in range(size) for hi in kept[s]]
     if kept:
-        rows = encode(given, torch.tensor([grids[s][i] for s, i in kept], dtype=torch.long, device=device))
+        rows = encode(given, torch.tensor([grids[h][i] for h, i in kept], dtype=torch.long, device=device))
     else:
         rows = torch.zeros(0, hidden, dtype=dtype, device=device, requires_grad=trainable)
-    # rows home: to each source rank its images' rows; they arrive by encoding rank, then image
+    # rows home: to every holder of an image its rows; they arrive by encoding rank, then image
     rows_of = [[p // merge for p in ps] for ps in patches]
-    back = [sum(rows_of[s][i] for s2, i in kept if s2 == s) for s in range(size)]
-    home = [sum(r for r, o in zip(rows_of[me], owner[me]) if o == a) for a in range(size)]
-    arrived = _Exchange.apply(rows, back, home, group)
-    order = [i for a in range(size) for i, o in enumerate(owner[me]) if o == a]
+    encoded = dict(zip(kept, rows.split([rows_of[h][i] for h, i in kept])))
+    back = [[hi for hi in images if hi in encoded and a in holders[hi[0]]] for a in range(size)]  # by image
+    outgoing = [encoded[hi] for a in range(size) for hi in back[a]]
+    out = torch.cat(outgoing) if outgoing else rows[:0]
+    arriving = [[(mine, i) for i in range(len(grids[mine])) if owner[mine][i] == a] for a in range(size)]
+    arrived = _Exchange.apply(out, [sum(rows_of[h][i] for h, i in b) for b in back],
+                              [sum(rows_of[h][i] for h, i in a) for a in arriving], group)
+    order = [i for a in range(size) for _, i in arriving[a]]
     if return_order is not None:
         order = return_order(order)
-    pieces = dict(zip(order, arrived.split([rows_of[me][i] for i in order])))
-    before = [sum(p) for p in patches]
-    after = [sum(p for s in range(size) for p, o in zip(patches[s], owner[s]) if o == a) for a in range(size)]
-    BALANCE.add(before, after, sum(o != r for r, os in enumerate(owner) for o in os))
-    return torch.cat([pieces[i] for i in range(len(rows_of[me]))]) if pieces else arrived
+    returned = dict(zip(order, arrived.split([rows_of[mine][i] for i in order])))
+    before = [sum(patches[homes.index(home_of[r])]) for r in range(size)]
+    after = [sum(patches[h][i] for h, i in images if owner[h][i] == a) for a in range(size)]
+    BALANCE.add(before, after, sum(owner[h][i] not in holders[h] for h, i in images))
+    return torch.cat([returned[i] for i in range(len(rows_of[mine]))]) if returned else arrived

@@ -78,6 +78,7 @@ class VisionLanguageModel(MegatronModule):
         return balanced_rows(encode, pixels, grid, group, merge=self.patches_per_row(),
                              hidden=self.language_model.config.hidden_size, dtype=vision[0].dtype,
                              trainable=any(p.requires_grad for p in vision), device=device,
+                             home=getattr(self, "encoder_balance_home", None),
                              return_order=getattr(self, "encoder_balance_return_order", None))
 
     def block_kwargs(self, placed: list, dtype: torch.dtype, packed_seq_params=None) -> dict | None:

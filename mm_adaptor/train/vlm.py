@@ -224,7 +224,9 @@ class VisionLanguage(Gpt):
             post_process=ps.is_pipeline_last_stage())
         memory.update(freeze(model, args))
         if getattr(args, "encoder_dp_balance", False) and model.pre_process:
-            model.encoder_balance_group = ps.get_data_parallel_group()
+            # over the data-parallel ranks and their context-parallel ranks, which hold the same images
+            model.encoder_balance_group = ps.get_data_parallel_group(with_context_parallel=True)
+            model.encoder_balance_home = ps.get_data_parallel_rank()
         return [model.to(device)]
 
     def batches(self, args, dp_rank: int, start_iteration: int, device, chunks) -> list:
