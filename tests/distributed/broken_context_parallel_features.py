@@ -1,8 +1,8 @@
 """Deliberately wrong context parallelism for the harness's self-test (loaded into the training ranks through
 MM_ADAPTOR_FEATURE_MODULES), each beside the real --context-parallel-size 2: a ring that forgets the causal mask of
 its diagonal blocks (each token also sees the later tokens of its own chunk), a ring whose softmax scale is 0.1%
-too large (a subtle forward error), Ulysses that gathers the heads in the wrong order, and packed attention that
-crosses the samples of a pack."""
+too large (a subtle forward error), Ulysses that gathers the heads in the wrong order, packed attention that
+crosses the samples of a pack, and packed attention that lets each token see the next one of its sample."""
 
 from mm_adaptor.core.features import Feature, Flag, register
 
@@ -56,3 +56,30 @@ class PackedAttentionAcrossSegments(_BrokenContextParallel):
     description = "--context-parallel-size with --packing letting attention cross the samples of a pack"
     flags = (Flag("--use-test-broken-cp-packed-across", description),)
     broken = {"cross_segments": True}
+
+
+def _one_token_ahead(wrapped, instance, args, kwargs):
+    """The packed mask with each query also seeing the next token of its own segment."""
+    masked = wrapped(*args, **kwargs)
+    (q_segment, q_position), (k_segment, k_position) = args[0], args[1]
+
+    def leaky(start, rows):
+        ahead = ((k_position[None, :] == q_position[start:start + rows, None] + 1)
+                 & (k_segment[None, :] == q_segment[start:start + rows, None]))
+        return masked(start, rows) & ~ahead
+
+    return leaky
+
+
+@register
+class PackedAttentionOneTokenAhead(Feature):
+    name = "test-broken-cp-packed-ahead"
+    description = "--context-parallel-size with --packing letting each token see the next token of its sample"
+    flags = (Flag("--use-test-broken-cp-packed-ahead", description),)
+
+    def patch_sets(self, options):
+        from mm_adaptor.core.patching import PatchSet
+
+        ps = PatchSet(self.name)
+        ps.wrap("mm_adaptor.patches.transformer.context_parallel_packed._hidden", _one_token_ahead)
+        return [ps]

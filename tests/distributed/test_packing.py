@@ -50,6 +50,7 @@ CONTEXT_PARALLEL_REFERENCES = {
     "tp2-sp-dp2-rope": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--position-embedding-type",
                         "rope", "--nproc-per-node", "4"],
     "pp2-dp2-learned": ["--pipeline-model-parallel-size", "2", "--nproc-per-node", "4"],
+    "dp2-rope-bf16": ["--position-embedding-type", "rope", "--bf16", "--nproc-per-node", "2"],
 }
 
 
@@ -61,7 +62,8 @@ class PackedAgainstPadded:
         self.on_base = [*model, *layout_args, "--packing"]
         self.off = baseline.cached_run(self.off_args)
         noise = [rounding_noise_run(self.off_args, parts=parts) for parts in NOISE_PARTS]
-        self.limits = verdict.limits_for(tolerance, "fp32", verdict.noise_table(self.off, *noise))
+        precision = "bf16" if "--bf16" in layout_args else "fp32"
+        self.limits = verdict.limits_for(tolerance, precision, verdict.noise_table(self.off, *noise))
 
     def judge(self, *extra):
         on = train.run(checked_args([*self.on_base, *extra]))
@@ -113,11 +115,27 @@ def test_broken_packing_fails(broken, layout):
     assert verdicts["gradients"].failures, f"{broken} passed: {verdicts['gradients'].worst}"
 
 
+# attention across samples everywhere the ring runs; on the GPT also subtler ones (measured, gradients: the 0.1%
+# softmax scale at 7.1 x the limit, a token seeing the next one of its sample at 2.8e6 x, Ulysses' heads in the wrong
+# order); in bf16 (the correct run at 0.22 x) across samples at 79 x, one token ahead at 51 x
+BROKEN_PACKED_CONTEXT_PARALLEL = {
+    ("dp2-rope", "megatron_cp_algo"): ("--use-test-broken-cp-packed-across", "--use-test-broken-cp-ring-scale",
+                                       "--use-test-broken-cp-packed-ahead"),
+    ("dp2-rope", "ulysses_cp_algo"): ("--use-test-broken-cp-ulysses-heads",),
+    ("vlm-dp2", "megatron_cp_algo"): ("--use-test-broken-cp-packed-across",),
+    ("qwen3-vl-dp2", "megatron_cp_algo"): ("--use-test-broken-cp-packed-across",),
+    ("internvl-dp2", "megatron_cp_algo"): ("--use-test-broken-cp-packed-across",),
+    ("tp2-sp-dp2-rope", "megatron_cp_algo"): ("--use-test-broken-cp-packed-across",),
+    ("dp2-rope-bf16", "megatron_cp_algo"): ("--use-test-broken-cp-packed-across", "--use-test-broken-cp-packed-ahead"),
+}
+
+
 @pytest.mark.parametrize("layout, algo", [("dp2-rope", "megatron_cp_algo"), ("dp2-rope", "ulysses_cp_algo"),
                                           ("vlm-dp2", "megatron_cp_algo"), ("vlm-dp2", "ulysses_cp_algo"),
                                           ("qwen3-vl-dp2", "megatron_cp_algo"), ("internvl-dp2", "megatron_cp_algo"),
                                           ("tp2-sp-dp2-rope", "megatron_cp_algo"),
-                                          ("pp2-dp2-learned", "ulysses_cp_algo")])
+                                          ("pp2-dp2-learned", "ulysses_cp_algo"),
+                                          ("dp2-rope-bf16", "megatron_cp_algo")])
 def test_packed_context_parallel_equals_padded_data_parallel(layout, algo):
     """--packing at --context-parallel-size 2 (every segment of a pack split over the two ranks, attention masked
     by segment and position; for the VLM the vision rows placed on the whole pack, then cut per segment, and the
@@ -130,11 +148,11 @@ def test_packed_context_parallel_equals_padded_data_parallel(layout, algo):
     assert not failures, f"{algo}: {failures}"
     assert all(v.count for v in verdicts.values())
     assert on.memory["feature_statistics"]["context-parallel"][f"{algo} packed attention calls"] > 0
-    if algo == "megatron_cp_algo":
+    for flag in BROKEN_PACKED_CONTEXT_PARALLEL.get((layout, algo), ()):
         with harness.extra_feature_module("broken_context_parallel_features"):
-            broken, verdicts = reference(layout).judge(*cp, "--use-test-broken-cp-packed-across")
-        assert "test-broken-cp-packed-across" in broken.features
-        assert verdicts["gradients"].failures, verdicts["gradients"].worst
+            broken, verdicts = reference(layout).judge(*cp, flag)
+        assert flag.removeprefix("--use-") in broken.features
+        assert verdicts["gradients"].failures, (flag, verdicts["gradients"].worst)
 
 
 def test_a_resumed_packed_run_trains_what_the_whole_run_trained(tmp_path):
