@@ -6,7 +6,7 @@ gradients summed over other images per rank); the patches per rank more even and
 ran); the same at TP2+SP and PP2 beside DP2 on four ranks. At CP2 (and CP2 x DP2) the context-parallel ranks share
 their common images instead of each encoding all of them: patches per rank halve (6776 -> 3416/3360), gradients
 0.38 x the limit. Broken variants must fail at DP2 and CP2: embeddings handed back to the wrong images, gradients
-not sent home. The assignment and the refusals are tested without ranks."""
+not sent home, pixels sent in bfloat16. The assignment and the refusals are tested without ranks."""
 
 import functools
 
@@ -66,7 +66,8 @@ def test_balanced_equals_unbalanced_and_evens_the_encoders_work(tmp_path_factory
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", ["dp2", "cp2"])
 @pytest.mark.parametrize("broken", ["--use-test-broken-encoder-balance-order",
-                                    "--use-test-broken-encoder-balance-gradients"])
+                                    "--use-test-broken-encoder-balance-gradients",
+                                    "--use-test-broken-encoder-balance-bf16-pixels"])
 def test_broken_balance_fails(tmp_path_factory, broken, layout):
     model, off, limits = unbalanced(str(tmp_path_factory.getbasetemp() / "shapes"), layout)
     with harness.extra_feature_module("broken_encoder_balance_features"):
