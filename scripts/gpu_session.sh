@@ -11,11 +11,13 @@
 #   bash scripts/gpu_session.sh followup [OUTPUT_DIR]  what the first session left open: the fused-kernel check split
 #                                                 by flag, the grouped_matmul segfault alone, the unreached checks;
 #                                                 and issue 40's varlen op on CUDA, packed training and its benchmark
+#   bash scripts/gpu_session.sh vlm [OUTPUT_DIR]  issue 40's device benchmark: Qwen2.5-VL-3B's shapes packed to 4096
+#                                                 tokens, fused kernels off and on, beside transformers' own loop
 # Wheels the machine lacks and a trimmed Megatron-LM come from .whl/ and .mlm/, which
 # scripts/gpu_session_prepare.sh fills on the host (carry both).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: gpu_session.sh ops|e2e|activation|optimizer|followup [OUTPUT_DIR]}
+part=${1:?usage: gpu_session.sh ops|e2e|activation|optimizer|followup|vlm [OUTPUT_DIR]}
 out=${2:-${OUT:-gpu-results}}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -52,6 +54,13 @@ bench() {  # the benchmarks, unless MM_ADAPTOR_GPU_SKIP_BENCH=1 (a rerun of the 
 if [ "$part" = e2e ]; then
     [ -f "$repo/.mlm/pretrain_gpt.py" ] || { echo "no .mlm/: run scripts/gpu_session_prepare.sh on the host first"; exit 1; }
     run e2e python3 "$repo"/benchmarks/megatron_lm_e2e.py --megatron-lm "$repo/.mlm" --log-dir "$out/e2e-logs"
+    exit $status
+fi
+if [ "$part" = vlm ]; then
+    run build python3 -m mm_adaptor.cli build-ops --device cuda
+    # 18 of the 36 language layers first (about half the time and memory), then the whole model
+    bench vlm_bench_half python3 "$repo"/benchmarks/vlm_throughput.py --device cuda --llm-layers 18
+    bench vlm_bench python3 "$repo"/benchmarks/vlm_throughput.py --device cuda
     exit $status
 fi
 if [ "$part" = activation ]; then

@@ -15,6 +15,10 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manyl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
     "${platforms[@]}" -d .whl megatron-core==0.16.1 liger-kernel pydantic pydantic-core annotated-types \
     typing-inspection six
+# the VLM benchmark's data pipeline and its transformers peer (scripts/gpu_session.sh vlm)
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
+    "${platforms[@]}" -d .whl transformers==4.57.6 tokenizers==0.22.2 safetensors huggingface-hub==0.36.2 pillow \
+    regex pyyaml tqdm filelock fsspec requests urllib3 certifi idna charset-normalizer hf-xet packaging
 rm -rf .mlm && mkdir -p .mlm/megatron
 cp "$mlm"/{pretrain_gpt.py,gpt_builders.py,model_provider.py} .mlm/
 for part in core training legacy post_training rl; do

@@ -29,6 +29,7 @@ class TrainParser(ArgumentParser):
         defaults = {action.dest: action.default for action in self._actions}
         try:
             notes = mindspeed_mm.apply(namespace, defaults)
+            vlm.read_hf_config(namespace)
         except ValueError as exc:
             self.fail(str(exc))
         if not namespace.silent:

@@ -39,6 +39,9 @@ def add_arguments(parser) -> None:
                         "vision encoder, the embeddings returned to their samples' ranks (MindSpeed-MM's name)")
     g.add_argument("--skip-bad-samples", action="store_true",
                    help="train on the good records of --data-path and count the bad ones, instead of refusing them")
+    g.add_argument("--hf-config", dest="hf_config_file", default=None, metavar="CONFIG_JSON",
+                   help="build the model randomly initialised from this Hugging Face config.json (its family, shapes "
+                        "and token ids; no --load), e.g. to measure a full-size model's throughput")
     g.add_argument("--log-tps", action="store_true",
                    help="tokens per sample, non-padding tokens per second and samples per second (MindSpeed-MM)")
 
@@ -86,6 +89,30 @@ def encoder_balance_problems(args, family: str) -> list[str]:
         return ["--encoder-dp-balance exchanges images once per micro-batch on every data-parallel rank, and "
                 "--packing gives ranks different numbers of micro-batches: drop one of them"]
     return []
+
+
+def read_hf_config(args) -> None:
+    """--hf-config: its dict becomes args.hf_config (as --mm-model's does) and names --model; ValueError in one
+    line."""
+    path = getattr(args, "hf_config_file", None)
+    if not path:
+        return
+    if getattr(args, "hf_config", None) is not None:
+        raise ValueError("--hf-config and --mm-model both give the model's shapes: keep one")
+    if args.load:
+        raise ValueError(f"--hf-config builds a new, randomly initialised model and --load {args.load} holds one: "
+                         "drop one (a --save of an --hf-config run resumes with --load alone)")
+    try:
+        config = json.loads(Path(path).read_text())
+        spec = registry.spec_for_hf_config(config)
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"--hf-config {path}: {exc}") from None
+    if args.model == "gpt":
+        args.model = spec.name
+    elif args.model != spec.name:
+        raise ValueError(f"--hf-config {path} holds a {spec.name} config: give --model {spec.name} (or leave "
+                         "--model out)")
+    args.hf_config = config
 
 
 _ONE_RANK_GROUPS: dict = {}

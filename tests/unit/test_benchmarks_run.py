@@ -48,6 +48,30 @@ def test_benchmark_prints_its_table(script, args, rows):
     assert not any("nan" in line or "inf" in line for line in measured), stdout
 
 
+def test_vlm_throughput_runs_the_driver_and_the_transformers_peer():
+    """The device benchmark's CPU size (gpu_session.sh vlm runs it on a device): both driver runs and the peer
+    train, and the table holds their tokens/s, TFLOP/s, peak memory and ratios to the peer."""
+    stdout = run_script("vlm_throughput.py", "--steps", "2", "--samples", "4", "--seq", "512", "--llm-layers", "2")
+    header, rows = table_rows(stdout)
+    assert [row[0] for row in rows] == ["mm-adaptor, unfused", "mm-adaptor, fused", "transformers (peer)"], stdout
+    for _, rate, tflops, with_vit, peak, loss, rate_ratio, peak_ratio in rows:
+        assert float(rate) > 0 and 0 < float(tflops) < float(with_vit) and peak.endswith(" GiB"), stdout
+        assert 0 < float(loss) < 20, stdout
+        assert float(peak.split()[0]) > 0 and rate_ratio.endswith("x") and peak_ratio.endswith("x"), stdout
+    assert rows[-1][-2:] == ["1.00x", "1.00x"], stdout
+
+
+def test_vlm_throughput_counts_flops_per_token_and_image(monkeypatch):
+    bench = load_benchmark("vlm_throughput", monkeypatch)
+    hf = bench.model_config("cpu", 2)
+    one_text, _ = bench.step_flops(hf, [(100, [])])
+    two_text, _ = bench.step_flops(hf, [(100, []), (100, [])])
+    longer, _ = bench.step_flops(hf, [(200, [])])
+    assert two_text == 2 * one_text and 2 * one_text < longer < 4 * one_text  # attention grows with n^2
+    language, vision = bench.step_flops(hf, [(100, [(1, 8, 8)])])
+    assert language > one_text and vision > 0  # the projector trains; the tower's forward counted apart
+
+
 def test_ops_benchmark_reports_bandwidth_of_every_implementation(monkeypatch):
     stdout = run_script("ops.py", "--tokens", "64", "--hidden", "64", "--dtype", "float32", "--min-run-time", "0.01",
                         "--copy-mib", "4")

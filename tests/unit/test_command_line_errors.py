@@ -149,3 +149,22 @@ def test_a_family_whose_config_has_no_context_parallel_size_refuses_it(monkeypat
     assert not [p for p in family.problems(args) if "context-parallel-size" in p]
     monkeypatch.setattr(vlm, "_has_field", lambda spec, name: name != "context_parallel_size")
     assert any("--context-parallel-size above 1 is not built for this family" in p for p in family.problems(args))
+
+
+def test_hf_config_refusals(tmp_path):
+    """--hf-config (a randomly initialised model from an HF config.json): unreadable, of another family than
+    --model, or beside --load or --mm-model."""
+    import json
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "qwen2_5_vl", "vision_config": {}}))
+    _assert_one_line_refusal(["train", "--hf-config", str(tmp_path / "missing.json")],
+                             [f"--hf-config {tmp_path / 'missing.json'}: ", "No such file"])
+    _assert_one_line_refusal(["train", "--hf-config", "pyproject.toml"], ["--hf-config pyproject.toml: "])
+    _assert_one_line_refusal(["train", "--hf-config", str(config), "--model", "internvl-tiny"],
+                             ["holds a qwen2_5_vl config: give --model qwen2_5_vl"])
+    _assert_one_line_refusal(["train", "--hf-config", str(config), "--load", str(tmp_path)],
+                             ["--hf-config builds a new, randomly initialised model and --load", "drop one"])
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"model_type": "llama"}))
+    _assert_one_line_refusal(["train", "--hf-config", str(other)], ["model_type 'llama' is not a family"])
