@@ -244,9 +244,10 @@ def forward_with_context_parallel(algo: str, ulysses_degree: int, calls: dict):
         ulysses, ring = groups_for(cp_group, ulysses_degree, cache)
         packed = bound.get("packed_seq_params")
         if packed is not None:  # THD: [t, heads, d] with the batch of 1 squeezed
-            from mm_adaptor.patches.transformer.packed_attention import segment_bounds
+            from mm_adaptor.patches.transformer.packed_attention import HOST_BOUNDS, segment_bounds
 
-            segments = segment_lengths(segment_bounds(packed)[0])
+            cu_q, cu_kv = segment_bounds(packed)[:2]  # read on the host once per pack, not per layer
+            segments = segment_lengths(cu_q if cu_q.device.type == "cpu" else HOST_BOUNDS.of(packed, cu_q, cu_kv)[0])
             query, key, value = (x.unsqueeze(1) for x in (query, key, value))
             out = context_parallel_attention(query, key, value, ulysses, ring, scale=instance.softmax_scale,
                                              packed=(segments, dist.get_world_size(cp_group)))

@@ -7,6 +7,10 @@ cu_seqlens; without, megatron's own forward runs. The driver applies it for --pa
 
 from __future__ import annotations
 
+import weakref
+
+import torch
+
 from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet, bound_arguments
 
 TARGET = "megatron.core.transformer.dot_product_attention.DotProductAttention.forward"
@@ -24,13 +28,39 @@ def segment_bounds(packed_seq_params):
 
 class VarlenCalls:
     """How many packed attention calls ran in this process and the segment bounds of the last one (tests read it
-    through the driver's memory figures)."""
+    through the driver's memory figures; read on the host only then, not per layer)."""
 
     def __init__(self):
-        self.calls, self.last_cu_seqlens = 0, None
+        self.calls, self._last = 0, None
+
+    @property
+    def last_cu_seqlens(self):
+        return None if self._last is None else self._last.tolist()
 
 
 CALLS = VarlenCalls()
+
+
+class HostBounds:
+    """An NPU's TND kernel takes the bounds as host lists: each pack's bounds copied to the host once (its
+    PackedSeqParams is shared by every layer of a forward, kept while it lives), not read from the device per layer
+    and pass."""
+
+    def __init__(self):
+        self._known: list[tuple[weakref.ref, tuple]] = []
+
+    def of(self, packed, cu_q, cu_kv):
+        for ref, bounds in self._known:
+            if ref() is packed:
+                return bounds
+        both = torch.cat([cu_q, cu_kv]).cpu()
+        bounds = (both[:cu_q.numel()], both[cu_q.numel():])
+        self._known = [(weakref.ref(packed), bounds), *self._known[:REMEMBERED_PACKS - 1]]
+        return bounds
+
+
+REMEMBERED_PACKS = 4  # micro-batches in flight (pipeline schedules, recompute) each keep their pack
+HOST_BOUNDS = HostBounds()
 
 
 def packed_attention_forward(wrapped, instance, args, kwargs):
@@ -50,6 +80,8 @@ def packed_attention_forward(wrapped, instance, args, kwargs):
         raise ValueError("packed sequences with an attention bias: megatron's local attention takes neither")
     query, key, value = bound["query"], bound["key"], bound["value"]
     cu_q, cu_kv, max_q, max_kv = segment_bounds(packed)
+    if query.device.type not in ("cpu", "cuda") and cu_q.device.type != "cpu":
+        cu_q, cu_kv = HOST_BOUNDS.of(packed, cu_q, cu_kv)
     softmax = instance.scale_mask_softmax
     mask_type = bound.get("attn_mask_type") or instance.attn_mask_type
     window = softmax.window_size
@@ -58,7 +90,7 @@ def packed_attention_forward(wrapped, instance, args, kwargs):
                                softmax_scale=instance.softmax_scale * (softmax.scale or 1.0),
                                window=None if window is None else tuple(window))
     CALLS.calls += 1
-    CALLS.last_cu_seqlens = cu_q.tolist()
+    CALLS._last = cu_q
     return context.reshape(context.shape[0], -1)  # [t, np * hn]; Attention.forward adds the batch of 1
 
 

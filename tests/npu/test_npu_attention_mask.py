@@ -76,6 +76,17 @@ def _printing(method):
 
 
 torch.Tensor.__repr__, torch.Tensor.__format__ = _printing(torch.Tensor.__repr__), _printing(torch.Tensor.__format__)
+_tolist = torch.Tensor.tolist
+
+
+def _listing(t):  # also inside custom ops (mm_adaptor's varlen op), whose kernels run below the dispatch modes
+    if t.device.type == "npu":
+        for mode in HostReads.active:
+            mode.seen.append("Tensor.tolist")
+    return _tolist(t)
+
+
+torch.Tensor.tolist = _listing
 
 
 def old_fusion_attention(q, k, v, causal, attention_mask, scale, dropout_p):
@@ -173,6 +184,29 @@ def run(block, masks, seed=0):
             "results": results, "warnings": [str(w.message) for w in caught if "--use-flash-attn" in str(w.message)]}
 
 
+def run_packed(block, lengths=(5, 11, 7, 9)):
+    # --packing: the block on THD packs (a fresh PackedSeqParams per step, as the driver builds them), counted
+    from mm_adaptor.data.packing import packed_seq_params
+    gen = torch.Generator().manual_seed(5)
+    x, dy = (torch.randn(sum(lengths), 1, 32, generator=gen).to("npu") for _ in range(2))
+
+    def packed_step():
+        for p in block.parameters():
+            p.grad = None
+        y = block(x.detach().requires_grad_(), None, packed_seq_params=packed_seq_params(list(lengths), device="npu"))
+        y.backward(dy)
+
+    first = HostReads()
+    with first:
+        packed_step()
+    del calls[:]
+    reads = HostReads()
+    with reads:
+        for _ in range(STEPS):
+            packed_step()
+    return {"calls": described(calls), "host_reads": reads.seen}
+
+
 def block_device(block):
     return next(block.parameters()).device
 
@@ -232,6 +266,19 @@ with own_rendezvous():
     enable(reset_attention_mask=True)  # Megatron-LM's per-document masks: the TND layout on their documents
     per_document = out["per_document"] = run(block, documents)
     out["per_document_close_to_whole"] = close(per_document, arbitrary)
+
+    # --packing's attention on the npu: the TND kernel per layer, each pack's bounds read once, not per layer; the
+    # old code (the device's bounds handed to the kernel, read per layer and pass) as the broken variant
+    mm_adaptor.disable(keep_device=True)
+    from mm_adaptor.patches.transformer import packed_attention
+    packing = packed_attention.patch_set()
+    packing.apply()
+    out["packed"] = run_packed(block)
+    host_bounds = packed_attention.HOST_BOUNDS.of
+    packed_attention.HOST_BOUNDS.of = lambda packed, cu_q, cu_kv: (cu_q, cu_kv)
+    out["packed_reading_per_layer"] = run_packed(block)
+    packed_attention.HOST_BOUNDS.of = host_bounds
+    packing.revert()
 
     # the old code: its op (a host read per layer) and its patch (no rule: the default causal mask goes whole)
     npu_attention.fusion_attention, new_op = old_fusion_attention, npu_attention.fusion_attention
@@ -405,3 +452,17 @@ def test_the_fake_refuses_masks_that_torch_npu_documents_as_giving_wrong_results
     assert "atten_mask on cpu" in r["sparse3_on_host"]
     assert "masks what they exclude" in r["sparse0_tokens_without_their_mask"]
     assert "needs pre_tockens >= 2" in r["sparse0_negative_next_beyond_pre"]
+
+
+def test_packed_attention_reads_each_packs_bounds_once(runs):
+    """--packing on the npu: every layer runs npu_fusion_attention's TND layout on the pack's samples, and the
+    bounds come to the host once per pack (one copy), not from the device in every layer's forward and backward
+    (the old code, which the same check rejects)."""
+    run = runs["packed"]
+    assert run["host_reads"] == ["aten::_to_copy"] * STEPS, run["host_reads"]
+    assert len(run["calls"]) == LAYERS * STEPS, run["calls"]
+    for call in run["calls"]:
+        assert call["layout"] == "TND" and call["seq_qlen"] == [5, 16, 23, 32], call
+        assert call["sparse_mode"] == 3 and call["compressed_causal"], call
+    old = runs["packed_reading_per_layer"]
+    assert len(old["calls"]) == LAYERS * STEPS and len(old["host_reads"]) >= 2 * LAYERS * STEPS, old["host_reads"]
