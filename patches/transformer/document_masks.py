@@ -47,13 +47,22 @@ def document_lengths(mask: torch.Tensor) -> list[list[int]] | None:
 
 
 class Segments:
-    """A batch's documents as one THD pack, the rows one after another; the bounds live on the host, so that no
-    layer reads the device for them (an NPU's kernel takes them as a list)."""
+    """A batch's documents as one THD pack, the rows one after another. The bounds live on the host, so that no
+    layer reads the device for them (an NPU's kernel takes them as a list); CUDA's varlen kernel gets one device copy
+    per mask."""
 
     def __init__(self, lengths: list[int]):
         self.bounds = list(accumulate(lengths, initial=0))
         self.cu_seqlens = torch.tensor(self.bounds, dtype=torch.int32)
         self.longest = max(lengths)
+        self._on_cuda = None
+
+    def bounds_for(self, device: torch.device) -> torch.Tensor:
+        if device.type != "cuda":
+            return self.cu_seqlens
+        if self._on_cuda is None or self._on_cuda.device != device:
+            self._on_cuda = self.cu_seqlens.to(device)
+        return self._on_cuda
 
 
 class DocumentAttention:
@@ -99,9 +108,9 @@ class DocumentAttention:
         def rows_in_a_row(t):
             return t.transpose(0, 1).reshape(b * s, *t.shape[2:])
 
-        context = varlen_attention(rows_in_a_row(query), rows_in_a_row(key), rows_in_a_row(value),
-                                   segments.cu_seqlens, segments.cu_seqlens, segments.longest, segments.longest,
-                                   causal=True, softmax_scale=scale)
+        cu_seqlens = segments.bounds_for(query.device)
+        context = varlen_attention(rows_in_a_row(query), rows_in_a_row(key), rows_in_a_row(value), cu_seqlens,
+                                   cu_seqlens, segments.longest, segments.longest, causal=True, softmax_scale=scale)
         self.calls += 1
         self.last_cu_seqlens = segments.bounds
         return context.reshape(b, s, -1).transpose(0, 1).contiguous()
