@@ -345,6 +345,13 @@ def varlen_attention_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       bool(causal), scale, left, right)
 
 
+def bounds_for_kernel(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host-side bounds where the kernel on `device` reads them: CUDA's varlen flash kernel on the device; the CPU
+    kernel, the reference and an NPU's TND kernel (which takes host lists) on the host, where they stay (bounds on
+    an NPU would be read back to the host in every call)."""
+    return cu_seqlens.to(device, non_blocking=True) if device.type == "cuda" else cu_seqlens
+
+
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal: bool,
                      softmax_scale: float | None = None, window: tuple[int, int] | None = None) -> torch.Tensor:
     """Attention within each segment of packed THD tensors; see `varlen_attention_with_lse`. Returns [Tq, Hq, Dv]."""

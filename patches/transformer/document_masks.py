@@ -55,14 +55,14 @@ class Segments:
         self.bounds = list(accumulate(lengths, initial=0))
         self.cu_seqlens = torch.tensor(self.bounds, dtype=torch.int32)
         self.longest = max(lengths)
-        self._on_cuda = None
+        self._copies: dict = {}
 
     def bounds_for(self, device: torch.device) -> torch.Tensor:
-        if device.type != "cuda":
-            return self.cu_seqlens
-        if self._on_cuda is None or self._on_cuda.device != device:
-            self._on_cuda = self.cu_seqlens.to(device)
-        return self._on_cuda
+        from mm_adaptor.ops.varlen_attention import bounds_for_kernel
+
+        if device not in self._copies:
+            self._copies[device] = bounds_for_kernel(self.cu_seqlens, device)
+        return self._copies[device]
 
 
 class DocumentAttention:

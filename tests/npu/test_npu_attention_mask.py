@@ -207,6 +207,17 @@ def run_packed(block, lengths=(5, 11, 7, 9)):
     return {"calls": described(calls), "host_reads": reads.seen}
 
 
+def run_vision(core):
+    gen = torch.Generator().manual_seed(6)
+    q, k, v, dy = (torch.randn(12, 1, 4, 8, generator=gen).to("npu") for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    del calls[:]
+    reads = HostReads()
+    with reads:
+        core(q, k, v, torch.tensor([0, 5, 12], dtype=torch.int32)).backward(dy.reshape(12, 1, 32))
+    return {"calls": described(calls), "host_reads": reads.seen}
+
+
 def block_device(block):
     return next(block.parameters()).device
 
@@ -279,6 +290,15 @@ with own_rendezvous():
     out["packed_reading_per_layer"] = run_packed(block)
     packed_attention.HOST_BOUNDS.of = host_bounds
     packing.revert()
+
+    # the vision tower's core attention: its segments come as a host tensor and stay there for the TND kernel;
+    # the old code (a device copy per layer, read back by the kernel) as the broken variant
+    from mm_adaptor.models.qwen2_5_vl import vision
+    out["vision"] = run_vision(vision.VarlenCoreAttention(cfg, 1, None, "self"))
+    kernel_bounds = vision.bounds_for_kernel
+    vision.bounds_for_kernel = lambda cu, device: cu.to(device)
+    out["vision_reading_per_layer"] = run_vision(vision.VarlenCoreAttention(cfg, 1, None, "self"))
+    vision.bounds_for_kernel = kernel_bounds
 
     # the old code: its op (a host read per layer) and its patch (no rule: the default causal mask goes whole)
     npu_attention.fusion_attention, new_op = old_fusion_attention, npu_attention.fusion_attention
@@ -466,3 +486,10 @@ def test_packed_attention_reads_each_packs_bounds_once(runs):
         assert call["sparse_mode"] == 3 and call["compressed_causal"], call
     old = runs["packed_reading_per_layer"]
     assert len(old["calls"]) == LAYERS * STEPS and len(old["host_reads"]) >= 2 * LAYERS * STEPS, old["host_reads"]
+
+
+def test_the_vision_towers_segments_stay_on_the_host(runs):
+    run = runs["vision"]
+    assert run["host_reads"] == [], run["host_reads"]
+    assert [(c["layout"], c["seq_qlen"], c["sparse_mode"]) for c in run["calls"]] == [("TND", [5, 12], 0)], run
+    assert len(runs["vision_reading_per_layer"]["host_reads"]) >= 2, runs["vision_reading_per_layer"]

@@ -30,7 +30,7 @@ from torch import nn
 
 from mm_adaptor.models.megatron_config import dtype as _dtype
 from mm_adaptor.models.qwen2_5_vl.config import Qwen25VLConfig
-from mm_adaptor.ops.varlen_attention import varlen_attention
+from mm_adaptor.ops.varlen_attention import bounds_for_kernel, varlen_attention
 
 
 class VisionTransformerLayer(TransformerLayer):
@@ -69,7 +69,7 @@ class VarlenCoreAttention(MegatronModule):
             raise ValueError("the vision tower's varlen attention takes no attention bias or packed_seq_params")
         cu_seqlens = segment_lengths(attention_mask)
         longest = int(cu_seqlens.diff().max())
-        cu_seqlens = cu_seqlens.to(query.device, non_blocking=True)
+        cu_seqlens = bounds_for_kernel(cu_seqlens, query.device)
         s, b, heads, dim = query.shape
         if b != 1:
             raise ValueError(f"the vision tower's varlen attention takes one sequence of patches, got batch {b}")
