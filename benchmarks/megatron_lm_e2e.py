@@ -115,6 +115,9 @@ def install_loss_probe() -> None:
         if value is not None and "iteration" in bound and last_rank():
             loss = float(value.float().sum()) if hasattr(value, "float") else float(value)
             print(f"{LOSS_PROBE} iteration {bound['iteration']} lm loss: {loss.hex()}", flush=True)
+            documents = sys.modules.get("mm_adaptor.patches.transformer.document_masks")
+            if documents is not None:  # --use-flash-attn's per-document masks: the varlen op's calls so far
+                print(f"{LOSS_PROBE} document attention calls: {documents.DOCUMENTS.calls}", flush=True)
         return original(*args, **kwargs)
 
     training.training_log = training_log

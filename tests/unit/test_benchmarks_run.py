@@ -177,6 +177,41 @@ def test_e2e_runs_pretrain_gpt_on_the_cpu(tmp_path):
     assert (tmp_path / "fused-rmsnorm.log").read_text().count("[mm-e2e] iteration") == 4
 
 
+def e2e_losses(checkout, tmp_path, name, variants, nproc, *megatron_flags):
+    python = os.environ.get("MM_ADAPTOR_MEGATRON_LM_PYTHON", sys.executable)
+    logs = tmp_path / name
+    done = subprocess.run([python, str(BENCHMARKS / "megatron_lm_e2e.py"), "--megatron-lm", checkout, "--device",
+                           "cpu", "--variants", *variants, "--train-iters", "4", "--warmup-iters", "1",
+                           "--seq-length", "128", "--nproc-per-node", str(nproc), "--log-dir", str(logs), "--",
+                           *megatron_flags], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+    return {variant: (logs / f"{variant}.log").read_text() for variant in variants}
+
+
+def probed_losses(log):
+    return [float.fromhex(x) for x in re.findall(r"\[mm-e2e\] iteration \d+ lm loss: (\S+)", log)]
+
+
+@pytest.mark.distributed
+def test_e2e_document_masks_and_context_parallelism_in_pretrain_gpt(tmp_path):
+    """Megatron-LM's --reset-attention-mask at TP2+SP: --use-flash-attn's varlen op on the documents (its calls
+    counted) gives the no-flag run's losses; --context-parallel-size 2 (ring, then Ulysses) gives the one-rank
+    CP1 run's losses within float32 rounding."""
+    checkout = megatron_lm_checkout()
+    documents = e2e_losses(checkout, tmp_path, "documents", ["import", "flash-attn"], 2,
+                           "--tensor-model-parallel-size", "2", "--sequence-parallel", "--reset-attention-mask",
+                           "--reset-position-ids")
+    plain, varlen = probed_losses(documents["import"]), probed_losses(documents["flash-attn"])
+    assert len(plain) == 4 and max(abs(a - b) / abs(b) for a, b in zip(varlen, plain)) < 1e-6, (varlen, plain)
+    calls = [int(n) for n in re.findall(r"document attention calls: (\d+)", documents["flash-attn"])]
+    assert calls and calls[-1] > 0 and "document attention calls" not in documents["import"], calls
+    whole = probed_losses(e2e_losses(checkout, tmp_path, "cp1", ["import"], 1)["import"])
+    for algo in ("megatron_cp_algo", "ulysses_cp_algo"):
+        split = probed_losses(e2e_losses(checkout, tmp_path, algo, ["import"], 2, "--context-parallel-size", "2",
+                                         "--context-parallel-algo", algo)["import"])
+        assert len(split) == 4 and max(abs(a - b) / abs(b) for a, b in zip(split, whole)) < 1e-6, (algo, split)
+
+
 def test_activation_memory_benchmark_moves_and_drops_bytes():
     stdout = run_script("activation_memory.py", "--device", "cpu", "--hidden", "128", "--ffn", "344", "--heads", "2",
                         "--seq", "256", "--steps", "1", "--warmup", "1")
