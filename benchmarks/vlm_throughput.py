@@ -78,14 +78,6 @@ def step_flops(hf: dict, samples: list[tuple[int, list]]) -> tuple[float, float]
     return language, vision
 
 
-def peak_memory(device: str) -> int:
-    import torch
-
-    if device == "cpu":
-        return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
-    return int(getattr(torch, device).max_memory_allocated())
-
-
 def peer(opts) -> dict:
     """The transformers loop (in a process of its own): tokens/s after the first step, peak memory, last loss."""
     import torch
@@ -93,6 +85,7 @@ def peer(opts) -> dict:
 
     from mm_adaptor.data import load_tokenizer
     from mm_adaptor.data.vlm import build
+    from mm_adaptor.devices.memory import peak_bytes
     from mm_adaptor.models.qwen2_5_vl import config_from_hf
 
     hf = json.loads(open(opts.config).read())
@@ -128,7 +121,7 @@ def peer(opts) -> dict:
             getattr(torch, device.type).synchronize()
         if step:
             tokens, seconds = tokens + step_tokens, seconds + time.perf_counter() - start
-    return {"tokens_per_second": tokens / seconds, "peak_bytes": peak_memory(opts.device), "loss": loss}
+    return {"tokens_per_second": tokens / seconds, "peak_bytes": peak_bytes(device), "loss": loss}
 
 
 def ours(opts, extra: list[str], folder: str) -> dict:
@@ -178,8 +171,9 @@ def main() -> None:
         with open(opts.config, "w") as f:
             json.dump(hf, f)
         opts.data = make_data(folder, 4 * opts.samples, opts.seed, CPU_MIX if opts.device == "cpu" else MIX)
-        language, vision = (sum(x) for x in zip(*(step_flops(hf, [s]) for s in timed_samples(opts))))
-        tokens = sum(n for n, _ in timed_samples(opts))
+        timed = timed_samples(opts)
+        language, vision = step_flops(hf, timed)
+        tokens = sum(n for n, _ in timed)
         for name, extra in (("mm-adaptor, unfused", []), ("mm-adaptor, fused", FUSED)):
             rows[name] = ours(opts, extra, os.path.join(folder, name.replace(", ", "-")))
         argv = [a for a in sys.argv[1:]] + ["--peer-worker", "--config", opts.config, "--data", opts.data,

@@ -11,6 +11,16 @@ import torch
 from mm_adaptor.core.wrapped import unwrap
 
 
+def peak_bytes(device) -> int:
+    """The device allocator's peak (CUDA, NPU); on the CPU, which has none, this process's peak resident set
+    (VmHWM)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
+    return int(getattr(torch, device.type).max_memory_allocated(device))
+
+
 def _storage_key(t: torch.Tensor):
     storage = t.untyped_storage()
     return storage.data_ptr(), storage.nbytes()

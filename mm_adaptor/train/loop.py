@@ -184,6 +184,8 @@ def _build(args, device) -> RunState:
 
 def _train(args, backend) -> None:
     from megatron.core import parallel_state as ps
+
+    from mm_adaptor.devices.memory import peak_bytes
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from mm_adaptor.api import applied_features
@@ -241,7 +243,7 @@ def _train(args, backend) -> None:
         from mm_adaptor.patches.transformer.packed_attention import CALLS
 
         state.memory["packed_attention"] = {"calls": CALLS.calls, "last_cu_seqlens": CALLS.last_cu_seqlens}
-    state.memory["peak_bytes"] = _peak_bytes(device)
+    state.memory["peak_bytes"] = peak_bytes(device)
     if getattr(args, "reset_attention_mask", False):
         from mm_adaptor.patches.transformer.document_masks import DOCUMENTS
 
@@ -255,16 +257,6 @@ def _train(args, backend) -> None:
     if recorder is not None:
         recorder.write(state, args.dump)
     print_last_rank(summary(args, state.records, start_iteration, layout))
-
-
-def _peak_bytes(device) -> int:
-    """The device allocator's peak (CUDA, NPU); on the CPU, which has none, the rank process's peak resident set."""
-    import torch
-
-    if device.type == "cpu":
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
-    return int(getattr(torch, device.type).max_memory_allocated(device))
 
 
 def _global_tokens(data, tokens_per_step: int, device) -> int:

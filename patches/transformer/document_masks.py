@@ -13,13 +13,13 @@ other mask goes whole to the attention kernel, after one warning.
 from __future__ import annotations
 
 import warnings
-import weakref
 from itertools import accumulate
 
 import torch
 
+from mm_adaptor.core.recent import RecentByIdentity
+
 ROWS_PER_COMPARISON = 1024  # the comparison builds at most this many rows of the expected mask at a time
-REMEMBERED_MASKS = 4  # micro-batches in flight (pipeline schedules, recompute) each keep their mask
 
 
 def document_lengths(mask: torch.Tensor) -> list[list[int]] | None:
@@ -70,7 +70,7 @@ class DocumentAttention:
     `calls` and `last_cu_seqlens` through the driver's memory figures)."""
 
     def __init__(self):
-        self._known: list[tuple[weakref.ref, int, Segments | None]] = []
+        self._read_masks = RecentByIdentity()
         self.calls, self.last_cu_seqlens, self.warned = 0, None, False
 
     def segments(self, mask, batch: int, sq: int, sk: int) -> Segments | None:
@@ -78,22 +78,16 @@ class DocumentAttention:
             return None
         if sq != sk or tuple(mask.shape[-2:]) != (sq, sk) or mask.shape[0] not in (1, batch):
             return None
-        for ref, version, found in self._known:
-            if ref() is mask and version == mask._version:
-                return found
-        found = self._read(mask, batch)
-        self._known = [(weakref.ref(mask), mask._version, found), *self._known[:REMEMBERED_MASKS - 1]]
-        if found is None and not self.warned:
-            self.warned = True
-            warnings.warn("--use-flash-attn with --reset-attention-mask: an attention mask is not a per-document "
-                          "causal mask (a data loader of its own?); such masks go whole to the attention kernel",
-                          RuntimeWarning, stacklevel=4)
-        return found
+        return self._read_masks.get(mask, lambda m: self._read(m, batch), version=mask._version)
 
-    @staticmethod
-    def _read(mask, batch: int) -> Segments | None:
+    def _read(self, mask, batch: int) -> Segments | None:
         rows = document_lengths(mask)
         if rows is None:
+            if not self.warned:
+                self.warned = True
+                warnings.warn("--use-flash-attn with --reset-attention-mask: an attention mask is not a per-document "
+                              "causal mask (a data loader of its own?); such masks go whole to the attention kernel",
+                              RuntimeWarning, stacklevel=5)
             return None
         if len(rows) == 1:
             rows = rows * batch

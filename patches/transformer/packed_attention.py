@@ -7,11 +7,10 @@ cu_seqlens; without, megatron's own forward runs. The driver applies it for --pa
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet, bound_arguments
+from mm_adaptor.core.recent import RecentByIdentity
 
 TARGET = "megatron.core.transformer.dot_product_attention.DotProductAttention.forward"
 NAME = "packing"
@@ -43,23 +42,19 @@ CALLS = VarlenCalls()
 
 class HostBounds:
     """An NPU's TND kernel takes the bounds as host lists: each pack's bounds copied to the host once (its
-    PackedSeqParams is shared by every layer of a forward, kept while it lives), not read from the device per layer
-    and pass."""
+    PackedSeqParams is shared by every layer of a forward), not read from the device per layer and pass."""
 
     def __init__(self):
-        self._known: list[tuple[weakref.ref, tuple]] = []
+        self._copied = RecentByIdentity()
 
     def of(self, packed, cu_q, cu_kv):
-        for ref, bounds in self._known:
-            if ref() is packed:
-                return bounds
-        both = torch.cat([cu_q, cu_kv]).cpu()
-        bounds = (both[:cu_q.numel()], both[cu_q.numel():])
-        self._known = [(weakref.ref(packed), bounds), *self._known[:REMEMBERED_PACKS - 1]]
-        return bounds
+        def copy(_):
+            both = torch.cat([cu_q, cu_kv]).cpu()
+            return both[:cu_q.numel()], both[cu_q.numel():]
+
+        return self._copied.get(packed, copy)
 
 
-REMEMBERED_PACKS = 4  # micro-batches in flight (pipeline schedules, recompute) each keep their pack
 HOST_BOUNDS = HostBounds()
 
 
