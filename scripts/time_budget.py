@@ -1,7 +1,9 @@
-"""The test command's time guard: `.ci/run` has 45 of CI's 90 minutes, so the suite's growth is seen before it hits
-the hard limit. Given the command's measured seconds and the per-file times its legs recorded (tests/conftest.py),
-prints one line with the total and the slowest files; over the budget on CI it exits 1 with a line naming the files
-that grew most since the recorded breakdown (tests/time_budget.json).
+"""The test command's time guard. CI's hard limit is 90 minutes and machines differ by about 1.5x (the same clean
+clone took 32.8 min on one and 47.7 on another), so the guard warns past 45 minutes, where the suite's growth should
+be looked at, and fails CI only past 60, where a slow machine would come near the hard limit. Given the command's
+measured seconds and the per-file times its legs recorded (tests/conftest.py), it prints one line with the total and
+the slowest files; past either line it names the files that grew most since the recorded breakdown
+(tests/time_budget.json).
 
     python scripts/time_budget.py SECONDS TIMES.json [--record]   (--record: write TIMES as the new breakdown)
 """
@@ -13,7 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-BUDGET_S = 45 * 60
+WARN_S = 45 * 60
+FAIL_S = 60 * 60
 RECORDED = Path(__file__).resolve().parents[1] / "tests" / "time_budget.json"
 
 
@@ -36,13 +39,18 @@ def main(argv: list[str]) -> int:
         RECORDED.write_text(json.dumps({"seconds": round(seconds), **json.loads(times_path.read_text())}, indent=1,
                                        sort_keys=True) + "\n")
     slowest = ", ".join(f"{name} {s:.0f} s" for s, name in sorted(((s, n) for n, s in now.items()), reverse=True)[:3])
-    print(f"time guard: the test command took {seconds / 60:.1f} min of its {BUDGET_S // 60}-minute budget; "
-          f"slowest files: {slowest or 'none recorded'}")
-    if seconds <= BUDGET_S:
+    print(f"time guard: the test command took {seconds / 60:.1f} min (warns past {WARN_S // 60}, fails CI past "
+          f"{FAIL_S // 60}); slowest files: {slowest or 'none recorded'}")
+    if seconds <= WARN_S:
         return 0
     before = per_file(json.loads(RECORDED.read_text())) if RECORDED.exists() else {}
-    print(f"time guard: over budget by {(seconds - BUDGET_S) / 60:.1f} min; grew most since tests/time_budget.json: "
-          f"{', '.join(grown(now, before)) or 'nothing recorded grew (the machine is slower?)'}")
+    what_grew = ', '.join(grown(now, before)) or 'nothing recorded grew (the machine is slower?)'
+    if seconds <= FAIL_S:
+        print(f"time guard: warning, past {WARN_S // 60} min by {(seconds - WARN_S) / 60:.1f} min; "
+              f"grew most since tests/time_budget.json: {what_grew}")
+        return 0
+    print(f"time guard: over the {FAIL_S // 60}-minute limit by {(seconds - FAIL_S) / 60:.1f} min; "
+          f"grew most since tests/time_budget.json: {what_grew}")
     return 1 if os.environ.get("CI") else 0
 
 
