@@ -81,7 +81,7 @@ def print_columns(columns: list[str]) -> None:
 def llama_like_driver_options(args, *extra: str):
     """The training driver's options, on one rank, for a Llama-like model shaped by args (layers, hidden, ffn,
     heads, seq, micro_batch): SwiGLU, RMSNorm, RoPE, no bias; `extra` flags after them."""
-    from mm_adaptor.train.arguments import build_parser, finalize_args
+    from mm_adaptor.harness.runner.arguments import build_parser, finalize_args
 
     argv = ["--num-layers", str(args.layers), "--hidden-size", str(args.hidden), "--ffn-hidden-size", str(args.ffn),
             "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq), "--micro-batch-size",

@@ -225,7 +225,7 @@ def measure(args, name, flags, device):
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from mm_adaptor.devices.memory import SavedTensorAccountant
-    from mm_adaptor.train.model import transformer_config
+    from mm_adaptor.harness.runner.model import transformer_config
 
     native = native_fields(name)
     options = driver_args(args, flags)

@@ -20,7 +20,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 
 def saved_bytes(argv: list[str], nproc: int) -> int:
     """Rank 0's saved activation bytes (layers and outside them) of one training step."""
-    from mm_adaptor import train
+    from mm_adaptor.harness import runner as train
 
     dump = train.run(train.parse_args([*argv, "--nproc-per-node", str(nproc)]))
     per_layer = dump.memory["saved_bytes_per_layer"]

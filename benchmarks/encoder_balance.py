@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--context-parallel-size", type=int, default=1, choices=(1, 2))
     args = parser.parse_args()
-    from mm_adaptor import train
+    from mm_adaptor.harness import runner as train
     from mm_adaptor.harness.compare import checked_args
 
     with tempfile.TemporaryDirectory() as folder:

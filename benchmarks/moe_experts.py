@@ -30,7 +30,7 @@ def build(args, dtype):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.moe import experts as megatron_experts
 
-    from mm_adaptor.train import dump_entries
+    from mm_adaptor.harness.runner import dump_entries
 
     config = TransformerConfig(
         num_layers=1, hidden_size=args.hidden, ffn_hidden_size=args.ffn, moe_ffn_hidden_size=args.ffn,

@@ -86,7 +86,7 @@ def main() -> None:
     from mm_adaptor import devices
     from mm_adaptor.devices.memory import SavedTensorAccountant
     from mm_adaptor.patches.transformer.packed_attention import patch_set
-    from mm_adaptor.train.model import build_model, transformer_config
+    from mm_adaptor.harness.runner.model import build_model, transformer_config
 
     devices.install()
     options = llama_like_driver_options(args, "--mock-lengths", "skewed", "--global-batch-size", str(args.samples),

@@ -62,7 +62,7 @@ def sample_lengths(data: str, seq: int) -> list[int]:
 
 def train(argv: list[str], dump_dir: str):
     """(non-padding tokens/s of the driver's summary: every iteration but the first; rank 0's dump)."""
-    from mm_adaptor.train.dump import read_dump
+    from mm_adaptor.harness.runner.dump import read_dump
 
     out = subprocess.run([sys.executable, "-m", "mm_adaptor.cli", "train", *argv, "--dump", dump_dir],
                          capture_output=True, text=True, check=True).stdout

@@ -30,7 +30,7 @@ def mean_iteration_ms(argv: list[str]) -> float:
 
 def measured_chunk_costs(argv: list[str]) -> dict:
     """The feature's statistics from one more run with it (rank 0, the first stage)."""
-    from mm_adaptor import train
+    from mm_adaptor.harness import runner as train
 
     dump = train.run(train.parse_args([*argv, "--timeout", "600"]))
     return dump.memory["feature_statistics"]["vpp-extra-warmup"]

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-OUTPUT = ROOT / "mm_adaptor" / "megatron_fingerprints.py"
+OUTPUT = ROOT / "mm_adaptor" / "versions" / "fingerprint_table.py"
 DEFAULT_TAGS = ("core_v0.16.1", "core_v0.17.0", "core_v0.17.1", "core_v0.18.0", "core_v0.19.0")
 
 

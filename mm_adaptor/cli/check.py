@@ -23,7 +23,7 @@ def check_main(argv: list[str]) -> int:
     """mm-adaptor check --use-X [...] [--layout L|all] [--bf16] [model/layout flags]."""
     from mm_adaptor import harness
     from mm_adaptor.harness.compare import TRAIN_FLAGS_HINT, checked_args, ranks_for
-    from mm_adaptor.train import build_parser
+    from mm_adaptor.harness.runner import build_parser
 
     parser = ArgumentParser(
         prog="mm-adaptor check", help_hint=TRAIN_FLAGS_HINT,

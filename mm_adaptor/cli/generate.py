@@ -42,7 +42,7 @@ def load_model(load_dir: str, **layout):
     from megatron.core import dist_checkpointing
 
     from mm_adaptor.models import registry
-    from mm_adaptor.train.checkpoint import latest_checkpoint
+    from mm_adaptor.harness.runner.checkpoint import latest_checkpoint
 
     spec = registry.spec_for_directory(load_dir)
     config = spec.config_from_hf(registry.hf_config_of(load_dir))

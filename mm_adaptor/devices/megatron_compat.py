@@ -265,7 +265,27 @@ def gradient_accumulation_fusion_patches() -> PatchSet:
     return ps
 
 
+def _skip_make_when_built(wrapped, instance, args, kwargs):
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return wrapped(*args, **kwargs)
+    return None
+
+
+def prebuilt_dataset_helpers_patches() -> PatchSet:
+    ps = PatchSet(
+        "compat:dataset-helpers-prebuilt", needed_on="every device, with megatron.training",
+        changes="megatron.core.datasets.utils.compile_helpers does nothing when the compiled helpers (helpers_cpp) "
+                "already import; otherwise it runs make as before",
+        unpatched="megatron.training's initialization runs make in megatron/core/datasets, and the megatron-core "
+                  "wheel ships helpers_cpp built but no Makefile: make fails and rank 0 exits (sys.exit(1), "
+                  "'Failed to compile the C++ dataset helper functions')")
+    ps.wrap("megatron.core.datasets.utils.compile_helpers", _skip_make_when_built, contract=_core())
+    return ps
+
+
 def every_device_patch_sets() -> list[PatchSet]:
     return [te_version_query_patches(), moe_router_without_te_patches(), fused_softmax_availability_patches(),
             torch_adam_distributed_checkpoint_patches(), torch_norm_patches(), rope_fusion_patches(),
-            gradient_accumulation_fusion_patches()]
+            gradient_accumulation_fusion_patches(), prebuilt_dataset_helpers_patches()]

@@ -74,7 +74,7 @@ def cached_run(args: argparse.Namespace, *, echo: bool = False):
     """train.run(args), reusing an identical earlier run from the cache."""
     import torch
 
-    from mm_adaptor import train
+    from mm_adaptor.harness import runner as train
 
     directory = cache_dir()
     path = directory / f"{key(args)}.pt" if directory else None
@@ -92,8 +92,8 @@ def cached_run(args: argparse.Namespace, *, echo: bool = False):
 
 def initial_checkpoint(args: argparse.Namespace, scratch: Path, *, echo: bool = False) -> Path:
     """A weights-only checkpoint of the model `args` builds, before any step (cached like a baseline)."""
-    from mm_adaptor import train
-    from mm_adaptor.train.checkpoint import latest_checkpoint
+    from mm_adaptor.harness import runner as train
+    from mm_adaptor.harness.runner.checkpoint import latest_checkpoint
 
     init = argparse.Namespace(**vars(args))
     init.train_iters, init.save, init.load = 0, None, None

@@ -93,7 +93,7 @@ TRAIN_FLAGS_HINT = "`mm-adaptor check --help` and `mm-adaptor train --help` list
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     """The training arguments of one run; a bad flag or value raises HarnessError (one line, with suggestions)."""
-    from mm_adaptor.train import build_parser
+    from mm_adaptor.harness.runner import build_parser
 
     parser = build_parser(prog="mm-adaptor check")
     parser.exit_on_error, parser.help_hint = False, TRAIN_FLAGS_HINT
@@ -105,7 +105,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def _checked(args: argparse.Namespace, check_devices: bool = True) -> argparse.Namespace:
     """Every rule of the driver and of the switched-on features; HarnessError has one line per problem."""
-    from mm_adaptor.train import LayoutError, check_args
+    from mm_adaptor.harness.runner import LayoutError, check_args
 
     try:
         check_args(args, args.nproc_per_node, check_devices=check_devices)
@@ -138,7 +138,7 @@ def compare(feature_args: list[str], *, layout: str | None = None, extra_args: l
     With require_features=False (and an explicit tolerance) any training flag can be compared, e.g. a
     compatibility path the adaptor provides without a feature flag. Both configurations are checked before
     anything trains; the unpatched run comes from the baseline cache when an identical one exists."""
-    from mm_adaptor import train
+    from mm_adaptor.harness import runner as train
     from mm_adaptor.harness import baseline
 
     if not require_features and tolerance is None:
@@ -193,14 +193,14 @@ def _not_comparable(switched_on, on_args) -> tuple[str, ...]:
 
 
 def _finalized(args: argparse.Namespace) -> argparse.Namespace:
-    from mm_adaptor.train import finalize_args
+    from mm_adaptor.harness.runner import finalize_args
 
     return finalize_args(argparse.Namespace(**vars(args)), args.nproc_per_node)
 
 
 def _described_layout(args: argparse.Namespace) -> str:
     """A layout given by parallel-size flags, in the driver's words (TP1+PP2+DP1), without the precision."""
-    from mm_adaptor.train.logs import describe_layout
+    from mm_adaptor.harness.runner.logs import describe_layout
 
     return describe_layout(_finalized(args)).rsplit("+", 1)[0] + " (from the flags)"
 

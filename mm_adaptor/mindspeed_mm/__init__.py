@@ -1,6 +1,6 @@
 """MindSpeed-MM users' commands: their Qwen2.5-VL fine-tuning script's arguments (arguments.py), its --mm-model
-model.json (model_json.py) and --mm-data data.json (data_json.py) turned into the driver's flags before any rank
-starts. docs/mindspeed-mm.md is the migration page. Imports neither torch nor megatron."""
+model.json (model_json.py) and --mm-data data.json (data_json.py) turned into Megatron-LM's and the trainer's
+arguments before any rank starts. docs/mindspeed-mm.md is the migration page. Imports neither torch nor megatron."""
 
 from __future__ import annotations
 
@@ -10,15 +10,19 @@ from pathlib import Path
 from mm_adaptor.mindspeed_mm import arguments, data_json, model_json
 
 
-def apply(args, defaults: dict) -> list[str]:
-    """Translate their arguments in `args` in place, once: returns the notes to print (one line each), none on a
-    second call. Raises ValueError with one line per problem. `defaults`: the driver parser's defaults."""
+# Megatron-LM's parser defaults that command_problems compares the command's values with
+MEGATRON_DEFAULTS = {"vocab_size": None, "seq_length": None, "normalization": "LayerNorm"}
+
+
+def apply_to_trainer(args) -> list[str]:
+    """Translate their arguments in `args` (Megatron-LM's namespace) in place, once: returns the notes to print
+    (one line each), none on a second call. Raises ValueError with one line per problem."""
     if getattr(args, "mindspeed_mm_applied", False):
         return []
     problems, notes = arguments.translate(args)
     try:
         if args.mm_model:
-            found, model_notes = _apply_model(args, defaults)
+            found, model_notes = _apply_model(args, MEGATRON_DEFAULTS)
             problems, notes = problems + found, notes + model_notes
         if args.mm_data:
             notes += data_json.apply(args, args.mm_data)

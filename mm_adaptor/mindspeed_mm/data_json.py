@@ -163,9 +163,12 @@ def apply(args, path: str) -> list[str]:
     loader = [f"{section}.{key}" for section, key in LOADER_FIELDS if sections[section].get(key) is not None]
     notes = [f"--mm-data {path}: {', '.join(loader)}: no effect here ({LOADER_NOTE})"] if loader else []
     dataset = str(normalized_dataset(sections, path))
-    if args.data_path and os.path.abspath(args.data_path) != dataset:
-        raise DataJsonError(f"--data-path {args.data_path} and --mm-data {path} both name the data set: give one")
-    args.data_path = dataset
+    given = args.data_path if isinstance(args.data_path, list) else [args.data_path] if args.data_path else []
+    if given and [os.path.abspath(p) for p in given] != [dataset]:
+        raise DataJsonError(f"--data-path {' '.join(given)} and --mm-data {path} both name the data set: give one")
+    args.data_path = [dataset]
+    if args.split is None:  # their data.json trains on every record
+        args.split = "100,0,0"
     pre = sections["preprocess_parameters"]
     low, high = pre.get("image_min_pixels"), pre.get("image_max_pixels")
     args.image_min_pixels = None if low is None else max(1, int(low))  # their 0: no lower bound

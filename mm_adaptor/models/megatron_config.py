@@ -35,8 +35,7 @@ def common_fields(c, normalization: str) -> dict:
         fp16=c.params_dtype == "float16", use_cpu_initialization=True, normalization=normalization,
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, cuda_graph_scope=[],
-        **c.extra,
-    )
+    ) | dict(c.extra)  # the caller's extra wins (the trainer's: Megatron's fusion and recompute settings)
 
 
 def stage_split(c) -> list[int]:

@@ -98,6 +98,11 @@ class VisionLanguageModel(MegatronModule):
     def shared_embedding_or_output_weight(self):
         return self.language_model.shared_embedding_or_output_weight()
 
+    @property
+    def pg_collection(self):
+        """The language model's process groups (megatron 0.19's training loop reads them off the model)."""
+        return getattr(self.language_model, "pg_collection", None)
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None, labels=None,
                 pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
                 loss_mask=None, runtime_gather_output: bool | None = None, packed_seq_params=None):

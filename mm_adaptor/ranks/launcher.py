@@ -11,12 +11,13 @@ import threading
 import time
 import traceback
 from queue import Empty
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from mm_adaptor.ranks.process import (PRELOAD_MODULE, die_with_launcher, end_rank, free_port, is_process_helper,
                                      rank_context, stdio_for)
 
-__all__ = ["LaunchError", "Interrupted", "launch", "free_port", "under_launcher", "report_progress",
+__all__ = ["LaunchError", "Interrupted", "Nodes", "launch", "free_port", "under_launcher", "report_progress",
            "report_interruptions", "is_process_helper", "rank_context"]
 
 RANK_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -133,11 +134,21 @@ def _hang_message(watch: _ProgressWatch, hung: list[int], timeout: float) -> str
     return message
 
 
-def _rank_entry(fn, args, rank, world_size, port, threads, errors, rank_warnings, progress, launcher_pid,
-                environment, stdio):
+@dataclass(frozen=True)
+class Nodes:
+    """Where this launcher's ranks sit in the job: `count` nodes of `nproc` ranks each, this one `rank`, node 0 at
+    addr:port (port None: a free local one, one node only)."""
+    count: int = 1
+    rank: int = 0
+    addr: str = "127.0.0.1"
+    port: int | None = None
+
+
+def _rank_entry(fn, args, local_rank, nproc, nodes, port, threads, errors, rank_warnings, progress, launcher_pid,
+                environment, stdio, graceful):
     global _progress_slots
-    die_with_launcher(launcher_pid)
-    _progress_slots = (progress, rank)
+    die_with_launcher(launcher_pid, graceful)
+    _progress_slots = (progress, local_rank)
     report_progress("starting")
     _forward_warnings_to(rank_warnings)
     preloaded = sys.modules.get(PRELOAD_MODULE)
@@ -145,9 +156,10 @@ def _rank_entry(fn, args, rank, world_size, port, threads, errors, rank_warnings
         preloaded.replay(rank_warnings.put)
     os.environ.clear()
     os.environ.update(environment)
+    rank = nodes.rank * nproc + local_rank
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nodes.count * nproc),
+        LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(nodes.rank), MASTER_ADDR=nodes.addr, MASTER_PORT=str(port),
     )
     if threads:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
@@ -156,6 +168,10 @@ def _rank_entry(fn, args, rank, world_size, port, threads, errors, rank_warnings
         torch.set_num_threads(threads)
     try:
         fn(*args)
+    except SystemExit as exc:  # a clean exit (Megatron's exit conditions call sys.exit(0)) is not a failure
+        if exc.code not in (0, None):
+            errors.put((rank, f"SystemExit: {exc.code}", traceback.format_exc()))
+            end_rank(exc.code if isinstance(exc.code, int) else 1)
     except BaseException as exc:  # noqa: BLE001 - everything a rank raises goes to the parent
         errors.put((rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         end_rank(1)
@@ -170,21 +186,27 @@ _PORT_TAKEN = ("EADDRINUSE", "address already in use")
 
 
 def launch(fn: Callable[..., Any], args: tuple = (), *, nproc: int, timeout: float | None = None,
-           threads_per_rank: int | None = None) -> None:
-    """Run fn(*args) in `nproc` spawned ranks. Raises LaunchError if a rank fails or makes no progress
+           threads_per_rank: int | None = None, nodes: Nodes = Nodes(), graceful: bool = False) -> int | None:
+    """Run fn(*args) in `nproc` spawned ranks (of `nodes`). Raises LaunchError if a rank fails or makes no progress
     (report_progress) for `timeout` seconds, Interrupted if the launcher gets SIGINT/SIGTERM/SIGHUP; either way
-    every rank and everything it started is gone when it returns or raises."""
+    every rank and everything it started is gone when it returns or raises.
+
+    `graceful`: the first such signal is passed on to the ranks as SIGTERM, for them to finish (the trainer saves
+    a checkpoint and exits 0); launch then returns the signal's number once they have, and a second signal stops
+    them as before. Returns None when no signal came."""
     if nproc < 1:
         raise ValueError(f"--nproc-per-node must be at least 1, got {nproc}")
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // nproc)
+    attempts = PORT_ATTEMPTS if nodes.port is None else 1  # a given port is the job's: nothing to retry on
     try:
         with _signals_noted() as signals:
-            for attempt in range(1, PORT_ATTEMPTS + 1):
+            for attempt in range(1, attempts + 1):
                 try:
-                    return _launch_once(fn, args, nproc, timeout, threads_per_rank, free_port(), signals)
+                    return _launch_once(fn, args, nproc, timeout, threads_per_rank, nodes,
+                                        nodes.port or free_port(), signals, graceful)
                 except LaunchError as exc:
-                    if (isinstance(exc, Interrupted) or attempt == PORT_ATTEMPTS
+                    if (isinstance(exc, Interrupted) or attempt == attempts
                             or not any(text in str(exc) for text in _PORT_TAKEN)):
                         raise
     except Interrupted as exc:
@@ -220,29 +242,34 @@ def _signals_noted():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
-def _launch_once(fn, args, nproc, timeout, threads_per_rank, port, signals) -> None:
+def _launch_once(fn, args, nproc, timeout, threads_per_rank, nodes, port, signals, graceful) -> int | None:
     ctx = rank_context()
     errors, rank_warnings = ctx.Queue(), ctx.Queue()
     progress = ctx.RawArray("q", 3 * nproc)
     environment = dict(os.environ)
     procs = [
         ctx.Process(target=_rank_entry, name=f"rank{rank}", daemon=False,
-                    args=(fn, args, rank, nproc, port, threads_per_rank, errors, rank_warnings, progress, os.getpid(),
-                          environment, stdio_for(ctx)))
+                    args=(fn, args, rank, nproc, nodes, port, threads_per_rank, errors, rank_warnings, progress,
+                          os.getpid(), environment, stdio_for(ctx), graceful))
         for rank in range(nproc)
     ]
     watch = _ProgressWatch(progress, nproc)
     failed: tuple[int, str, str] | None = None
+    passed_on = 0  # signals handed to the ranks (graceful)
     try:
         for proc in procs:
             if not signals:
                 proc.start()
-        while any(_exit_code(p) is None for p in procs) or signals:
+        while any(_exit_code(p) is None for p in procs) or len(signals) > passed_on:
             _print_new_warnings(rank_warnings)
             watch.update()
-            if signals:
+            if len(signals) > passed_on:
+                if graceful and passed_on == 0 and any(p.pid is not None for p in procs):
+                    _pass_on(procs, signal.SIGTERM)
+                    passed_on = 1
+                    continue
                 _kill_ranks(procs)
-                raise Interrupted(signals[0], *watch.furthest())
+                raise Interrupted(signals[-1], *watch.furthest())
             failed = _first_failure(procs, errors)
             if failed is not None:
                 _kill_ranks(procs, grace=5.0)
@@ -259,8 +286,19 @@ def _launch_once(fn, args, nproc, timeout, threads_per_rank, port, signals) -> N
         _kill_ranks(procs)  # anything a finished rank left behind, or every rank on an unexpected error
         _print_new_warnings(rank_warnings)
     if failed is not None:
+        if passed_on:  # a rank that had not yet taken over SIGTERM was stopped by it
+            raise Interrupted(signals[0], *watch.furthest())
         rank, summary, tb = failed
         raise LaunchError(f"rank {rank} failed: {summary}\n--- traceback of rank {rank} ---\n{tb}")
+    return signals[0] if passed_on else None
+
+
+def _pass_on(procs, signum) -> None:
+    """The signal to each running rank itself (not its group: its helpers are its to stop)."""
+    for proc in procs:
+        if proc.pid is not None and _exit_code(proc) is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(proc.pid, signum)
 
 
 def _first_failure(procs, errors):

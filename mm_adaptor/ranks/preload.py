@@ -19,6 +19,9 @@ MODULES = (
     "megatron.core.optimizer",
     "megatron.core.distributed",
     "megatron.core.pipeline_parallel",
+    "megatron.training.training",  # the trainer's engine (absent from megatron-core 0.16's wheel)
+    "megatron.training.checkpointing",
+    "megatron.core.tokenizers.text",  # Megatron's tokenizers (transformers: seconds), built in every trainer rank
 )
 NOTICES: list[str] = []  # what importing MODULES said, as a rank's warning forwarder words it
 

@@ -55,21 +55,23 @@ def _kill_own_group() -> None:
     os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
-def _watch_launcher(parent_pid: int, wakeup_fd: int) -> None:
+def _watch_launcher(parent_pid: int, wakeup_fd: int, graceful: bool) -> None:
     while True:
         readable, _, _ = select.select([wakeup_fd], [], [], 0.5)
-        if readable and signal.SIGTERM in os.read(wakeup_fd, 64):
+        if readable and signal.SIGTERM in os.read(wakeup_fd, 64) and not graceful:
             _kill_own_group()
         if os.getppid() != parent_pid:
             _kill_own_group()
 
 
-def die_with_launcher(launcher_pid: int) -> None:
+def die_with_launcher(launcher_pid: int, graceful: bool = False) -> None:
     """The kernel sends this rank SIGTERM when its parent dies, even by SIGKILL (PR_SET_PDEATHSIG), and a thread
     also watches for a new parent; either kills the rank's process group, so helpers it started (megatron's
     checkpoint writers) die too. The thread reacts to SIGTERM through the wakeup fd, so it acts while the main
     thread is blocked in a collective. The parent is the launcher, or the fork server, which exits with the
-    launcher once no rank holds the launcher's end of its liveness pipe (closed here)."""
+    launcher once no rank holds the launcher's end of its liveness pipe (closed here). `graceful`: SIGTERM is the
+    rank's to handle once it installs a handler (the trainer saves and exits); until then it kills as before, and
+    the launcher's death still kills the group."""
     os.setpgid(0, 0)
     _release_fork_server()
     if sys.platform.startswith("linux"):
@@ -80,7 +82,7 @@ def die_with_launcher(launcher_pid: int) -> None:
     os.set_blocking(write_fd, False)
     signal.signal(signal.SIGTERM, lambda signum, frame: _kill_own_group())
     signal.set_wakeup_fd(write_fd)
-    threading.Thread(target=_watch_launcher, args=(parent_pid, read_fd), name="die-with-launcher",
+    threading.Thread(target=_watch_launcher, args=(parent_pid, read_fd, graceful), name="die-with-launcher",
                      daemon=True).start()
     if not _alive(launcher_pid) or (parent_pid != launcher_pid and not _alive(parent_pid)):
         _kill_own_group()  # it died before the death signal was armed

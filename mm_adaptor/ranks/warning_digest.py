@@ -27,6 +27,10 @@ KNOWN_HARMLESS = (
     # megatron-core 0.19's import-time notices
     (re.compile(r"absl\.logging is not installed"), "megatron logs through Python's logging without absl"),
     (re.compile(r"MimoModelConfig is experimental"), "megatron announcing its experimental modules"),
+    (re.compile(r"Setting RerunStateMachine mode|Result validation enabled"),
+     "megatron's rerun state machine switching mode around evaluation"),
+    (re.compile(r"(?s)recommended to use a ModelConfig"),
+     "megatron 0.19 recommending a ModelConfig; the trainer's families build from model providers"),
     (re.compile(r"GPTModel IS DEPRECATED"),
      "megatron 0.19 deprecating GPTModel for HybridModel (the driver builds one with --hybrid-layer-pattern)"),
 )

@@ -1,90 +1,156 @@
-"""Built-in training driver: a tiny GPT from megatron-core's local spec on mock data, any layout.
+"""The trainer: a client of Megatron-LM's training engine, megatron.training.pretrain(), like pretrain_gpt.py and
+MindSpeed-MM's pretrain_vlm.py: the model family's model provider, forward step and data sets (the registry's), with
+the adaptor's features applied through the one-line import. Evaluation, logging, TensorBoard and W&B, signals, exit
+conditions and checkpoints (asynchronous, fully parallel, resharding) are Megatron's.
 
-Command line: `mm-adaptor train [Megatron-LM model/layout flags] [feature flags] [--nproc-per-node N]` launches its
-own local ranks (or runs under torchrun) and prints Megatron-style iteration lines.
-Python: `run(parse_args([...]))` trains in fresh local ranks and returns a Dump of what every rank recorded.
-"""
+    mm-adaptor train [Megatron-LM arguments] [--model ...] [feature flags] [--nproc-per-node N] [--nnodes ...]
+    torchrun ... -m mm_adaptor.train [the same, without the launch flags]
+
+The whole command line is checked before any rank starts (Megatron's own validation included): a problem is one
+line and exit status 2. Without torchrun the local ranks start here (mm_adaptor.ranks); SIGTERM or SIGINT to
+this command is passed on to the ranks, which save a checkpoint (with --save) and stop; it then exits 0."""
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import io
 import os
 import sys
-import tempfile
 
-from mm_adaptor.core import features
-from mm_adaptor.ranks.launcher import Interrupted, LaunchError, launch, under_launcher
-from mm_adaptor.ranks.warning_digest import print_every_ranks_warnings_once
-from mm_adaptor.train import families
-from mm_adaptor.train.arguments import LayoutError, build_parser, check_paths, finalize_args, parse_args
-from mm_adaptor.train.checkpoint_files import latest_checkpoint
-from mm_adaptor.train.dump import Dump, RankDump, dump_entries, read_dump
-from mm_adaptor.train.loop import run_rank
+from mm_adaptor.train.arguments import PROG, UsageError
 
-__all__ = ["main", "run", "parse_args", "build_parser", "finalize_args", "LayoutError", "Dump", "RankDump",
-           "dump_entries", "check_args"]
+__all__ = ["main", "check", "UsageError"]
 
 
-def check_args(args: argparse.Namespace, world_size: int, *, check_devices: bool = True) -> None:
-    """Raise LayoutError (one line per problem) or FeatureConfigError before any rank starts: ranges and layout,
-    then the features, then the directories (only then is --save created and probed)."""
-    finalize_args(argparse.Namespace(**vars(args)), world_size)
-    families.of(args).shape_args(args)  # the features check the model's shape (RMSNorm, SwiGLU, rope)
-    options = features.fill_defaults(args)
-    features.validate(options, features.serving(options, features.enabled_features(options)))
-    check_paths(args)
-    _check_data(args)
-    problem = check_devices and _ranks_per_node_problem(args)  # last: it imports torch
-    if problem:
-        raise LayoutError(problem)
+def _fail(problems) -> int:
+    for line in problems:
+        print(f"{PROG}: error: {' '.join(str(line).split())}", file=sys.stderr)
+    return 2
 
 
-def _check_data(args: argparse.Namespace) -> None:
-    """A VLM's data set is validated here, once, before any rank starts (its DataError is one line)."""
-    problems = families.of(args).data_problems(args)
+def check(argv: list[str], *, under_torchrun: bool):
+    """Parse, prepare and validate the command line as the ranks will (Megatron's parser and validation, the
+    features', the family's, the data's), quietly. Returns (args, what the ranks are handed); raises UsageError.
+    A bad flag or value exits 2 from the parser (one line)."""
+    from megatron.training import arguments as megatron_arguments
+
+    from mm_adaptor.core import features
+    from mm_adaptor.train import arguments, families, megatron_training
+
+    parse = getattr(megatron_arguments.parse_args, "__wrapped__", megatron_arguments.parse_args)
+    with megatron_training.command_line(PROG, argv):
+        args = arguments.prepare(parse(arguments.add_arguments))
+    problems = arguments.launch_problems(args, under_torchrun)
     if problems:
-        raise LayoutError(*problems)
+        raise UsageError(*problems)
+    args.world_size = arguments.environment_world_size() if under_torchrun else \
+        arguments.local_ranks(args) * args.nnodes
+    args.rank = 0
+    _megatron_validation(args)
+    options = features.fill_defaults(args)
+    try:
+        features.validate(options, features.serving(options, features.enabled_features(options)))
+    except features.FeatureConfigError as exc:
+        raise UsageError(*str(exc).splitlines()) from None
+    family = families.of(args)
+    problems = family.trainer_problems(args) + arguments.path_problems(args)
+    if problems:
+        raise UsageError(*problems)
+    problems = family.data_problems(args)
+    if problems:
+        raise UsageError(*problems)
+    handoff = {"validated_data": args.validated_data} if getattr(args, "validated_data", None) else {}
+    return args, handoff
 
 
-def _ranks_per_node_problem(args: argparse.Namespace) -> str | None:
-    from mm_adaptor import devices  # imports torch
+def _megatron_validation(args) -> None:
+    """Megatron's validate_args (not the adaptor's hook around it: nothing is applied here), its printout
+    swallowed; an assertion it fails is one line, its message or its source line."""
+    import traceback
 
-    backend = devices.current_or_chosen()
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if under_launcher() else args.nproc_per_node
-    return backend.ranks_per_node_problem(ranks)
+    from megatron.training import arguments as megatron_arguments
+
+    validate = getattr(megatron_arguments.validate_args, "__wrapped__", megatron_arguments.validate_args)
+    quiet = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet), _device_layer():
+            validate(args, {})
+    except (AssertionError, ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
+        message = " ".join(str(exc).split())
+        if not message:  # a bare assert: the line that failed
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            message = f"{frame.line} ({os.path.basename(frame.filename)}:{frame.lineno})"
+        raise UsageError(f"Megatron-LM refuses the arguments: {message}") from None
+
+
+@contextlib.contextmanager
+def _device_layer():
+    """The run's device backend meanwhile (Megatron's validation asks the device, e.g. its architecture), unless
+    one is installed already."""
+    from mm_adaptor import devices
+
+    if devices.current() is not None:
+        yield
+        return
+    devices.install()
+    try:
+        yield
+    finally:
+        devices.uninstall()
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    from mm_adaptor.ranks.launcher import Interrupted, LaunchError, Nodes, launch, under_launcher
+    from mm_adaptor.train import megatron_training
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    missing = megatron_training.missing()
+    if missing:
+        return _fail([missing])
+    if "-h" in argv or "--help" in argv:
+        return _print_help()
+    torchrun = under_launcher()
     try:
-        check_args(args, int(os.environ["WORLD_SIZE"]) if under_launcher() else args.nproc_per_node)
-    except (LayoutError, features.FeatureConfigError) as exc:
-        parser.error(str(exc))
-    if under_launcher():
+        args, handoff = check(argv, under_torchrun=torchrun)
+    except UsageError as exc:
+        return _fail(exc.problems)
+    from mm_adaptor.train import arguments, engine
+
+    if torchrun:
+        from mm_adaptor.ranks.warning_digest import print_every_ranks_warnings_once
+
         print_every_ranks_warnings_once(int(os.environ["RANK"]))
-        run_rank(args)
+        engine.run_rank(argv, handoff)
         return 0
+    nodes = Nodes(count=args.nnodes, rank=args.node_rank, addr=args.master_addr or "127.0.0.1",
+                  port=args.master_port)
     try:
-        launch(run_rank, (args,), nproc=args.nproc_per_node, timeout=args.timeout)
+        stopped = launch(engine.run_rank, (argv, handoff), nproc=arguments.local_ranks(args),
+                         timeout=args.distributed_timeout_minutes * 60 + 300, nodes=nodes, graceful=True)
     except Interrupted as exc:
-        saved = latest_checkpoint(args.save) if args.save else None
-        print(f"mm-adaptor train: {exc}; " + (f"last checkpoint: {saved}" if saved else "no checkpoint saved"),
-              file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return exc.exit_status
     except LaunchError as exc:
-        print(f"mm-adaptor train: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
+    if stopped:
+        import signal
+
+        saved = f"; the checkpoint is in {args.save}" if args.save else " (no --save: nothing saved)"
+        print(f"{PROG}: stopped on {signal.Signals(stopped).name}: the ranks finished their iteration{saved}",
+              file=sys.stderr)
     return 0
 
 
-def run(args: argparse.Namespace, *, echo: bool = False) -> Dump:
-    """Train with `args` (from parse_args) in fresh local ranks and return what every rank recorded.
+def _print_help() -> int:
+    from mm_adaptor.train import arguments, megatron_training
 
-    Raises LayoutError / FeatureConfigError before starting, LaunchError when a rank fails or hangs."""
-    args = argparse.Namespace(**vars(args))
-    check_args(args, args.nproc_per_node)
-    with tempfile.TemporaryDirectory(prefix="mm-adaptor-run-") as tmp:
-        args.dump, args.silent, args.quiet = tmp, not echo, echo
-        launch(run_rank, (args,), nproc=args.nproc_per_node, timeout=args.timeout)
-        return read_dump(tmp, args.nproc_per_node)
+    with megatron_training.command_line(PROG, ["--help"]):
+        from megatron.training import arguments as megatron_arguments
+
+        parse = getattr(megatron_arguments.parse_args, "__wrapped__", megatron_arguments.parse_args)
+        try:
+            parse(arguments.add_arguments)
+        except SystemExit as exc:
+            return exc.code or 0
+    return 0

@@ -1,207 +1,233 @@
-"""`mm-adaptor train` arguments: Megatron-LM's names for the model, layout and training flags, plus every
-feature's flags; `finalize_args` derives defaults and rejects out-of-range values and impossible layouts, and
-`check_paths` the --save / --load / --dump directories, before any rank starts. Imports neither torch nor megatron."""
+"""The trainer's command line: Megatron-LM's own parser (megatron.training.arguments) with the adaptor's feature
+flags and the trainer's arguments added through `extra_args_provider`, one-line errors and a --help that prints.
+
+`prepare(args)` runs right after Megatron parses and before it validates (the trainer wraps Megatron's parse_args
+with it): MindSpeed-MM's arguments are translated, a vision-language family sets the model's shape into Megatron's
+model arguments, and the few defaults the trainer needs are filled in. Everything it refuses is one line."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
+import re
 
-from mm_adaptor.convert.mindspeed_mm import is_mm_checkpoint
 from mm_adaptor.core import features
 from mm_adaptor.core.one_line_parser import ArgumentParser
 from mm_adaptor.mindspeed_mm import arguments as mindspeed_mm_arguments
+from mm_adaptor.models import registry
 from mm_adaptor.ranks.warning_digest import ShowEveryWarning
-from mm_adaptor.train import hybrid, vlm
-from mm_adaptor.train.checkpoint_files import MARKER, latest_checkpoint
-from mm_adaptor.train.layout import LayoutError, finalize_args, range_problems  # noqa: F401  (the driver's API)
+
+PROG = "mm-adaptor train"
+TRAINER_GROUP = "mm_adaptor trainer (not Megatron-LM's)"
+LAUNCH_GROUP = "mm_adaptor trainer: local ranks without torchrun (not Megatron-LM's)"
+
+# Megatron defaults the trainer needs to see given or not: None here, filled in by prepare().
+WATCHED_DEFAULTS = ("transformer_impl", "distributed_backend", "moe_aux_loss_coeff", "dataloader_type",
+                    "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout")
 
 
-class TrainParser(ArgumentParser):
-    """MindSpeed-MM's arguments (--mm-model, --mm-data, ...) become the driver's flags right after parsing
-    (mm_adaptor.mindspeed_mm): a refusal is the parser's one line, before anything starts."""
+class UsageError(ValueError):
+    """One line per problem with the command line, each naming the flag and the fix."""
 
-    def parse_args(self, args=None, namespace=None):
-        from mm_adaptor import mindspeed_mm
-
-        namespace = super().parse_args(args, namespace)
-        defaults = {action.dest: action.default for action in self._actions}
-        try:
-            notes = mindspeed_mm.apply(namespace, defaults)
-            vlm.read_hf_config(namespace)
-        except ValueError as exc:
-            self.fail(str(exc))
-        if not namespace.silent:
-            mindspeed_mm.print_notes(notes)
-        return namespace
+    def __init__(self, *problems: str):
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
 
 
-def build_parser(prog: str = "mm-adaptor train") -> argparse.ArgumentParser:
-    p = TrainParser(prog=prog, description="Train a tiny GPT with Megatron-Core (and the adaptor's features).")
-    m = p.add_argument_group("model (Megatron-LM names)")
-    m.add_argument("--num-layers", type=int, default=4)
-    m.add_argument("--hidden-size", type=int, default=64)
-    m.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden (8/3 x hidden with --swiglu)")
-    m.add_argument("--num-attention-heads", type=int, default=4)
-    m.add_argument("--num-query-groups", type=int, default=None, help="grouped-query attention (default: no GQA)")
-    m.add_argument("--group-query-attention", action="store_true")
-    m.add_argument("--seq-length", type=int, default=64)
-    m.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    m.add_argument("--vocab-size", type=int, default=1024)
-    m.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    m.add_argument("--norm-epsilon", type=float, default=1e-5)
-    m.add_argument("--swiglu", action="store_true")
-    m.add_argument("--disable-bias-linear", action="store_true")
-    m.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
-    m.add_argument("--rotary-percent", type=float, default=1.0)
-    m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    m.add_argument("--hidden-dropout", type=float, default=0.0)
-    m.add_argument("--attention-dropout", type=float, default=0.0)
-    m.add_argument("--init-method-std", type=float, default=0.02)
-    m.add_argument("--num-experts", type=int, default=None)
-    m.add_argument("--moe-router-topk", type=int, default=2)
-    m.add_argument("--moe-ffn-hidden-size", type=int, default=None)
-    m.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
-    m.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="alltoall")
-    m.add_argument("--moe-grouped-gemm", action="store_true")
-    m.add_argument(hybrid.FLAG, type=str, default=None, metavar="PATTERN",
-                   help="build megatron-core's HybridModel (0.18 and newer) instead of the GPT: one symbol per layer, "
-                        "'*' attention, '-' MLP, 'E' MoE, '|' between pipeline segments (more segments than "
-                        "pipeline stages: virtual stages), e.g. '*-*-'; sets --num-layers. A pattern starting "
-                        "with '-' is given as --hybrid-layer-pattern=-*-*")
+class MegatronParser(ArgumentParser):
+    """Megatron-LM's parser object, given the adaptor's one-line errors and a --help that formats every help text
+    (megatron-core 0.19.2's own raises ValueError on an unescaped '%')."""
 
-    lay = p.add_argument_group("parallel layout (Megatron-LM names)")
-    lay.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    lay.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    lay.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    lay.add_argument("--sequence-parallel", action="store_true")
-    lay.add_argument("--expert-model-parallel-size", type=int, default=1)
-    lay.add_argument("--use-distributed-optimizer", action="store_true")
-    lay.add_argument("--overlap-grad-reduce", action="store_true")
-    lay.add_argument("--overlap-param-gather", action="store_true")
-    lay.add_argument("--nproc-per-node", type=int, default=2, help="local ranks to launch (ignored under torchrun)")
+    @classmethod
+    def adopt(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.__class__ = cls
+        parser.prog, parser.also_valid, parser._parsing = PROG, [], False
+        parser.help_hint = f"`{PROG} --help` lists every flag"
+        return parser
 
-    t = p.add_argument_group("training (Megatron-LM names)")
-    t.add_argument("--micro-batch-size", type=int, default=2)
-    t.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch x data-parallel size x 2")
-    t.add_argument("--train-iters", type=int, default=10,
-                   help="iteration to train up to, counted from 0 (0 with --save saves the initialised model)")
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--min-lr", type=float, default=0.0)
-    t.add_argument("--lr-warmup-iters", type=int, default=0)
-    t.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant")
-    t.add_argument("--weight-decay", type=float, default=0.01)
-    t.add_argument("--clip-grad", type=float, default=1.0)
-    t.add_argument("--adam-beta1", type=float, default=0.9)
-    t.add_argument("--adam-beta2", type=float, default=0.999)
-    t.add_argument("--adam-eps", type=float, default=1e-8)
-    t.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
-                   help="Megatron's activation recomputation: whole layers (full) or core attention (selective)")
-    t.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
-    t.add_argument("--recompute-num-layers", type=int, default=None)
-    t.add_argument("--gradient-accumulation-fusion", action="store_true",
-                   help="accumulate weight gradients straight into main_grad in the GEMM (Megatron's flag)")
-    t.add_argument("--bf16", action="store_true")
-    t.add_argument("--fp16", action="store_true")
-    t.add_argument("--seed", type=int, default=1234)
-    t.add_argument("--packing", action="store_true",
-                   help="pack each step's samples (per data-parallel rank) into micro-batches of at most --seq-length "
-                        "tokens, first-fit decreasing, positions restarted per sample, attention kept within each "
-                        "sample (PackedSeqParams through mm_adaptor.ops.varlen_attention); needs --micro-batch-size 1")
-    t.add_argument("--mock-lengths", choices=["full", "skewed"], default="full",
-                   help="the generated samples (the GPT's mock data; a NAME-tiny's images and text without "
-                        "--data-path): all --seq-length tokens (full), or 1/16 of it to all of it, most short "
-                        "(skewed: padded to --seq-length with the loss masked, unless --packing)")
-    t.add_argument("--reset-attention-mask", action="store_true",
-                   help="the GPT's mock data as Megatron-LM's documents: each row holds generated documents of skewed "
-                        "lengths, each ended by an EOD token (id --vocab-size - 1), and Megatron-LM's per-document "
-                        "attention mask (built by megatron.core's GPT data set)")
-    t.add_argument("--reset-position-ids", action="store_true",
-                   help="the same documents, with positions restarting after each EOD (Megatron-LM's flag)")
-    t.add_argument("--log-interval", type=int, default=1)
-    t.add_argument("--save", type=str, default=None, help="checkpoint directory to save into")
-    t.add_argument("--save-interval", type=int, default=None, help="default: save once, at the end")
-    t.add_argument("--load", type=str, default=None,
-                   help="checkpoint directory to resume from (at or past --train-iters: nothing to do, status 0)")
-    t.add_argument("--no-load-optim", action="store_true", help="load the checkpoint's weights only")
-    t.add_argument("--no-save-optim", action="store_true", help="save the weights without the optimizer state")
-    t.add_argument("--no-save-rng", action="store_true", help="save no random-number generator states")
-    t.add_argument("--no-load-rng", action="store_true", help="keep this run's seeds instead of the checkpoint's RNG")
-    t.add_argument("--dump", type=str, default=None,
-                   help="write per-rank losses, final gradients and parameters here (used by mm-adaptor check)")
-    t.add_argument("--timeout", type=float, default=900.0,
-                   help="seconds without progress before a rank is declared hung")
-    t.add_argument("--quiet", action="store_true", help="print only the final summary")
-    t.add_argument("--silent", action="store_true", help="print nothing (for harnesses that read --dump)")
-    t.add_argument("--verbose", action=ShowEveryWarning, help="print every library warning, the known-harmless ones "
-                                                              "included (by default they are counted in one line)")
-
-    vlm.add_arguments(p)
-    mindspeed_mm_arguments.add_arguments(p)
-    features.add_arguments(p)
-    return p
+    def format_help(self) -> str:
+        for action in self._actions:
+            if action.help:
+                action.help = re.sub(r"%%|%\(\w+\)\w|%", lambda m: m.group(0) if len(m.group(0)) > 1 else "%%",
+                                     action.help)
+        return super().format_help()
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron's extra_args_provider: the feature flags, the trainer's arguments (those Megatron's parser does not
+    have), MindSpeed-MM's; the defaults prepare() must see unset."""
+    MegatronParser.adopt(parser)
+    features.add_arguments(parser)
+    existing = set(parser._option_string_actions)
+    g = _Group(parser.add_argument_group(TRAINER_GROUP), existing)
+    g.add("--model", choices=registry.model_choices(), default="gpt",
+          help="gpt: the tiny GPT on mock data (a --load holding a converted checkpoint names its own family); NAME: "
+               "the converted checkpoint in --load (its hf/config.json); NAME-tiny: a tiny randomly initialised model "
+               "of that family on synthetic data. " + "; ".join(f"{s.name}: {s.summary}" for s in
+                                                                registry.SPECS.values()))
+    g.add("--hf-config", dest="hf_config_file", default=None, metavar="CONFIG_JSON",
+          help="build the model randomly initialised from this Hugging Face config.json (its family, shapes and "
+               "token ids; no --load)")
+    g.add("--pipeline-layers", default=None,
+          help="language layers per pipeline stage, e.g. 1,3 (MindSpeed-MM's --llm-pp-layers); default even")
+    g.add("--freeze-vision", action="store_true",
+          help="the vision encoder gets no gradient, gradient buffer or optimizer state (fine-tuning)")
+    g.add("--freeze-language", action="store_true",
+          help="the same for the language model (with --freeze-vision: train the projector only)")
+    g.add("--encoder-dp-balance", action="store_true",
+          help="spread the images of each micro-batch over the data-parallel ranks by patch count for the vision "
+               "encoder, the embeddings returned to their samples' ranks (MindSpeed-MM's name)")
+    g.add("--skip-bad-samples", action="store_true",
+          help="train on the good records of the data and count the bad ones, instead of refusing them")
+    g.add("--packing", action="store_true",
+          help="pack each step's samples (per data-parallel rank) into micro-batches of at most --seq-length tokens, "
+               "first-fit decreasing, attention kept within each sample; needs --micro-batch-size 1")
+    g.add("--mock-lengths", choices=["full", "skewed"], default="full",
+          help="the generated samples: all --seq-length tokens (full), or 1/16 of it to all of it, most short")
+    g.add("--log-tps", action="store_true",
+          help="tokens per sample, non-padding tokens per second and samples per second on the iteration line "
+               "(MindSpeed-MM's flag)")
+    g.add("--mfu-peak-tflops", type=float, default=None, metavar="TFLOPS",
+          help="the device's peak dense TFLOP/s for --log-throughput's MFU (default: the table in "
+               "mm_adaptor/devices/peak_flops.py for the device and precision)")
+    g.add("--hybrid-layer-pattern", type=str, default=None, metavar="PATTERN",
+          help="build megatron-core's HybridModel (0.18 and newer): one symbol per layer, '*' attention, '-' MLP, "
+               "'E' MoE, '|' between pipeline segments")
+    g.add("--verbose", action=ShowEveryWarning,
+          help="print every library warning, the known-harmless ones included (by default they are counted)")
+    launch = _Group(parser.add_argument_group(LAUNCH_GROUP), existing)
+    launch.add("--nproc-per-node", type=int, default=None,
+               help="local ranks to start (default: this node's GPUs or NPUs, 1 on the CPU); under torchrun, "
+                    "torchrun's own")
+    launch.add("--nnodes", type=int, default=1, help="nodes in the job (each runs this command)")
+    launch.add("--node-rank", type=int, default=0, help="this node's rank, 0 to --nnodes - 1")
+    launch.add("--master-addr", default=None, help="node 0's address (default 127.0.0.1 on one node)")
+    launch.add("--master-port", type=int, default=None, help="node 0's port (default: a free one on one node)")
+    mm = _Group(parser.add_argument_group(mindspeed_mm_arguments.GROUP), existing)
+    for flag, kwargs in mindspeed_mm_arguments.trainer_arguments():
+        mm.add(flag, **kwargs)
+    parser.set_defaults(**{name: None for name in WATCHED_DEFAULTS})
+    return parser
 
-def checkpoint_iteration(directory: str) -> int:
-    """The iteration of the latest checkpoint under `directory` (the driver's and Megatron-LM's layout);
-    raises LayoutError naming --load when there is none."""
-    root = Path(directory)
-    if not root.is_dir():
-        raise LayoutError(f"--load {directory}: no such directory: give the --save directory of an earlier run")
-    if is_mm_checkpoint(root):  # MindSpeed-MM's torch layout: `release` (0) or an iteration number
-        text = (root / MARKER).read_text().strip()
-        return 0 if text == "release" else int(text)
-    marker = root / MARKER
+
+class _Group:
+    """An argument group that leaves out a flag Megatron's parser already has (that flag is Megatron's own)."""
+
+    def __init__(self, group, existing: set):
+        self.group, self.existing = group, existing
+
+    def add(self, flag: str, **kwargs):
+        if flag not in self.existing:
+            self.group.add_argument(flag, **kwargs)
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def prepare(args: argparse.Namespace) -> argparse.Namespace:
+    """Right after Megatron's parse (before its validation): translate, shape the model, fill the defaults.
+    Raises UsageError."""
+    from mm_adaptor import mindspeed_mm
+    from mm_adaptor.train import families, vlm
+
+    if getattr(args, "mm_adaptor_prepared", False):
+        return args
     try:
-        iteration = int(marker.read_text().strip())
-    except OSError:
-        raise LayoutError(f"--load {directory} holds no checkpoint (no {MARKER}): give the --save "
-                          "directory of an earlier run") from None
-    except ValueError:
-        raise LayoutError(f"--load {directory}: {MARKER} does not hold an iteration number: give the "
-                          "--save directory of an earlier run") from None
-    if not latest_checkpoint(directory).is_dir():
-        raise LayoutError(f"--load {directory}: {MARKER} names iteration {iteration} but "
-                          f"iter_{iteration:07d} is missing: restore it or give another checkpoint directory")
-    return iteration
+        args.notes = mindspeed_mm.apply_to_trainer(args)  # first: --distributed-backend may choose the device
+        vlm.read_hf_config(args)
+        family = families.of(args)
+    except ValueError as exc:
+        raise UsageError(*str(exc).splitlines()) from None
+    problems = _trainer_defaults(args) + family.problems_before_layout(args)
+    if not problems:
+        problems += family.shape_megatron_args(args)
+    if args.moe_aux_loss_coeff is None:
+        args.moe_aux_loss_coeff = 0.0  # Megatron-LM's default, where the family's checkpoint names none
+    if problems:
+        raise UsageError(*problems)
+    args.mm_adaptor_prepared = True
+    return args
 
 
-def _writable_problem(flag: str, directory: str) -> str | None:
-    """None when `directory` can be created and written (it is created, and a probe file written and removed)."""
-    path = Path(directory)
+def _trainer_defaults(args) -> list[str]:
+    problems = []
+    if args.transformer_impl is None:
+        args.transformer_impl = "local"
+    elif args.transformer_impl != "local":
+        problems.append(f"--transformer-impl {args.transformer_impl}: the trainer builds megatron-core's local spec, "
+                        "which the adaptor's features patch: drop it (or give local)")
+    if args.dataloader_type is None:
+        args.dataloader_type = "external"
+    elif args.dataloader_type != "external":
+        problems.append(f"--dataloader-type {args.dataloader_type}: the trainer's data sets bring their own loaders "
+                        "and sampling (exact resume from the checkpoint's consumed samples): drop it")
+    if args.distributed_backend is None:
+        from mm_adaptor import devices
+
+        args.distributed_backend = devices.current_or_chosen().dist_backend
+    args.exit_signal_handler = True  # SIGTERM saves a checkpoint (with --save) and exits 0
+    if args.eval_interval is None:
+        # Megatron's meaning, no evaluation during training (only after it), which megatron-core 0.19's loop
+        # computes by dividing by this value: one beyond any iteration
+        args.eval_interval = 2**62
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "NullTokenizer"
+    return problems
+
+
+def path_problems(args) -> list[str]:
+    """--save must be writable (it is created); --load is Megatron's to read (a missing one starts afresh)."""
+    from pathlib import Path
+
+    if not args.save:
+        return []
+    path = Path(args.save)
     if path.exists() and not path.is_dir():
-        return f"{flag} {directory} is a file, not a directory: give a directory"
+        return [f"--save {args.save} is a file, not a directory: give a directory"]
     probe = path / f".mm-adaptor-probe-{os.getpid()}"
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
-        return f"{flag} {directory} cannot be written ({exc.strerror or exc}): give a writable directory"
-    return None
+        return [f"--save {args.save} cannot be written ({exc.strerror or exc}): give a writable directory"]
+    return []
 
 
-def check_paths(args: argparse.Namespace) -> None:
-    """--load must hold a checkpoint; --save and --dump must be writable (created if missing).
-
-    Resuming from a checkpoint already at or past --train-iters is not an error: like Megatron-LM the run has
-    nothing to do and ends with status 0, so a finished job that is submitted again succeeds."""
+def launch_problems(args, under_torchrun: bool) -> list[str]:
     problems = []
-    if args.load:
-        try:
-            checkpoint_iteration(args.load)
-        except LayoutError as exc:
-            problems.extend(exc.problems)
-    for flag, directory in (("--save", args.save), ("--dump", getattr(args, "dump", None))):
-        problem = directory and _writable_problem(flag, directory)
-        if problem:
-            problems.append(problem)
-    if problems:
-        raise LayoutError(*problems)
+    if under_torchrun:
+        given = [flag for flag, dest in (("--nproc-per-node", "nproc_per_node"), ("--master-addr", "master_addr"),
+                                         ("--master-port", "master_port"))
+                 if getattr(args, dest) is not None]
+        given += ["--nnodes"] if args.nnodes != 1 else []
+        given += ["--node-rank"] if args.node_rank != 0 else []
+        if given:
+            problems.append(f"{', '.join(given)}: under torchrun the ranks and nodes are torchrun's: give them to "
+                            "torchrun, not to the trainer")
+        return problems
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        problems.append(f"--nproc-per-node {args.nproc_per_node}: must be at least 1")
+    if args.nnodes < 1:
+        problems.append(f"--nnodes {args.nnodes}: must be at least 1")
+    elif not 0 <= args.node_rank < args.nnodes:
+        problems.append(f"--node-rank {args.node_rank}: must be 0 to --nnodes - 1 ({args.nnodes - 1})")
+    if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
+        problems.append(f"--nnodes {args.nnodes} needs --master-addr and --master-port: node 0's address and a free "
+                        "port there, the same on every node (or start each node with torchrun)")
+    return problems
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    """The driver's arguments from a command line (an error prints one line and exits with status 2)."""
-    return build_parser().parse_args(argv)
+def local_ranks(args) -> int:
+    """--nproc-per-node, or this node's accelerators (1 on the CPU)."""
+    if args.nproc_per_node is not None:
+        return args.nproc_per_node
+    from mm_adaptor import devices
+
+    return devices.current_or_chosen().devices_per_node() or 1
+
+
+def environment_world_size() -> int | None:
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value else None

@@ -1,6 +1,6 @@
 """The driver's hooks per model family (mm_adaptor.models.registry names them): the model's shape as driver
 arguments, the family's parallel constraints, the model built for this rank, its batches and its forward step.
-Everything else (layout, DDP, optimizer, schedule, checkpoints, logs) is shared.
+Used by the trainer (mm_adaptor.train) and by the harness's runner alike.
 
 `of(args)` looks the family up once per process and argument set: `--model NAME[-tiny]`, and for the default
 `gpt` a --hybrid-layer-pattern picks the HybridModel."""
@@ -90,16 +90,43 @@ class Gpt:
     def data_problems(self, args) -> list[str]:
         return []
 
+    # The tiny GPT's shape and run where nothing else names them (Megatron-LM leaves these unset and refuses to start
+    # without them).
+    TINY_RUN = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, max_position_embeddings=64,
+                    micro_batch_size=2, train_iters=10, lr=1e-3, vocab_size=1024)
+
+    def shape_megatron_args(self, args) -> list[str]:
+        """The trainer: Megatron's model arguments left unset get the tiny GPT's (TINY_RUN)."""
+        for name, value in self.TINY_RUN.items():
+            if getattr(args, name, None) is None and not (name == "train_iters" and args.train_samples):
+                setattr(args, name, value)
+        if args.make_vocab_size_divisible_by is None:
+            args.make_vocab_size_divisible_by = 128
+        for name in ("hidden_dropout", "attention_dropout"):
+            if getattr(args, name) is None:
+                setattr(args, name, 0.1)  # Megatron-LM's default
+        return []
+
+    def trainer_problems(self, args) -> list[str]:
+        """What the family cannot run under the trainer, once Megatron validated the arguments (one line each)."""
+        return self.problems(args)
+
     def layers_per_stage(self, args) -> int:
         return args.num_layers // args.pipeline_model_parallel_size
 
     def virtual_stages(self, args) -> int | None:
         raise NotImplementedError  # only families with splits_stages say it
 
-    def build(self, args, device, memory: dict) -> list:
-        from mm_adaptor.train.model import build_model, transformer_config
+    # the model is built from the caller's TransformerConfig (the runner's, or Megatron's from its arguments)
+    builds_from_transformer_config = True
 
-        return build_model(args, transformer_config(args), device)
+    def chunk(self, args, config, *, pre_process: bool, post_process: bool, vp_stage=None, memory: dict):
+        """This rank's model for one (virtual) pipeline stage, on the host."""
+        from mm_adaptor.train.model import gpt_chunk
+
+        vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size  # Megatron pads; the runner does not
+        return gpt_chunk(args, config, vocab_size=vocab, pre_process=pre_process, post_process=post_process,
+                         vp_stage=vp_stage)
 
     def batches(self, args, dp_rank: int, start_iteration: int, device, chunks) -> list:
         from mm_adaptor.train.data import MockBatches
@@ -145,12 +172,13 @@ class Hybrid(Gpt):
 
         return hybrid.virtual_stages(args)
 
-    def build(self, args, device, memory: dict) -> list:
+    def chunk(self, args, config, *, pre_process: bool, post_process: bool, vp_stage=None, memory: dict):
         from mm_adaptor.train import hybrid
 
-        chunks = super().build(args, device, memory)
-        memory["hybrid_layer_kinds"] = hybrid.layer_kinds(chunks)  # what was built, read back
-        return chunks
+        built = super().chunk(args, config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                              memory=memory)
+        memory.setdefault("hybrid_layer_kinds", {}).update(hybrid.layer_kinds([built]))  # what was built, read back
+        return built
 
     def banner(self, args) -> str:
         return f" | HybridModel {args.hybrid_layer_pattern!r}"

@@ -146,10 +146,12 @@ class VisionLanguage(Gpt):
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             pipeline_layers=pipeline_layers(args), sequence_parallel=args.sequence_parallel,
             params_dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
-            extra=dict(calculate_per_token_loss=True, deallocate_pipeline_outputs=True, batch_p2p_comm=True,
-                       gradient_accumulation_fusion=args.gradient_accumulation_fusion,
-                       recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-                       recompute_num_layers=args.recompute_num_layers, init_method_std=args.init_method_std),
+            # the trainer's: Megatron's training settings (providers.runtime_fields); the runner's: its flags
+            extra=getattr(args, "transformer_runtime", None) or dict(
+                calculate_per_token_loss=True, deallocate_pipeline_outputs=True, batch_p2p_comm=True,
+                gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+                recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+                recompute_num_layers=args.recompute_num_layers, init_method_std=args.init_method_std),
         )
         if self.tiny:
             config = self.spec.tiny_config(num_layers=args.num_layers, **layout)
@@ -198,6 +200,40 @@ class VisionLanguage(Gpt):
             args.moe_ffn_hidden_size = c.moe_intermediate_size
         return []
 
+    # Megatron's arguments the trainer sets from the family's config (shape_megatron_args)
+    TINY_RUN = dict(num_layers=4, seq_length=64, micro_batch_size=2, train_iters=10, lr=1e-3)
+
+    def shape_megatron_args(self, args) -> list[str]:
+        """The model's shape into Megatron's model arguments (its FLOP count and validation read them), the tiny
+        preset's run defaults, the vocabulary unpadded (the checkpoint's output layer), dropout the family's."""
+        if self.tiny:
+            for name, value in self.TINY_RUN.items():
+                if getattr(args, name, None) is None and not (name == "train_iters" and args.train_samples):
+                    setattr(args, name, value)
+        problems = vlm_data.record_split_problems(args) + self.shape_args(args)
+        if problems:
+            return problems
+        c = self.model_config(argparse.Namespace(**{**vars(args), "pipeline_layers": None}))
+        args.add_bias_linear, args.swiglu = False, True
+        args.group_query_attention = c.num_query_groups != c.num_attention_heads
+        args.kv_channels = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        args.rotary_base = int(getattr(c, "rope_theta", 10000))
+        if args.max_position_embeddings is None:
+            args.max_position_embeddings = max(args.seq_length or 0, getattr(c, "max_position_embeddings", 0))
+        if args.make_vocab_size_divisible_by is None:
+            args.make_vocab_size_divisible_by = 1
+        elif args.make_vocab_size_divisible_by != 1:
+            problems.append(f"--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} pads the vocabulary, "
+                            f"but {self.spec.name}'s output layer is the checkpoint's {c.vocab_size} rows: give 1 "
+                            "(or leave it out)")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if getattr(args, name) is None:
+                setattr(args, name, 0.0)  # the family's (its released checkpoints train without dropout)
+        return problems
+
+    def trainer_problems(self, args) -> list[str]:
+        return self.problems(args)
+
     def problems(self, args) -> list[str]:
         from mm_adaptor.data.packing import problems as packing_problems
 
@@ -222,7 +258,7 @@ class VisionLanguage(Gpt):
         if args.freeze_language and pp > 1:
             found.append("--freeze-language with --pipeline-model-parallel-size > 1 leaves later stages nothing to "
                          "train: use tensor or data parallelism")
-        if not self.tiny and not args.data_path:
+        if not self.tiny and not vlm_data.records_path(args):
             found.append(f"--model {args.model} needs --data-path FILE.json[l] (synthetic data is for "
                          f"{self.spec.name}-tiny)")
         if not found:
@@ -239,25 +275,26 @@ class VisionLanguage(Gpt):
 
     def data_problems(self, args) -> list[str]:
         """The data set's one-line DataError before any rank starts."""
-        if not args.data_path:
+        if not vlm_data.records_path(args):
             return []
         return vlm_data.validate(args, self.model_config(args))
 
-    def build(self, args, device, memory: dict) -> list:
+    builds_from_transformer_config = False  # its package builds both towers from the family's config
+
+    def chunk(self, args, config, *, pre_process: bool, post_process: bool, vp_stage=None, memory: dict):
         from megatron.core import parallel_state as ps
 
-        model = self.spec.package_module().model_provider(
-            self.model_config(args), pre_process=ps.is_pipeline_first_stage(),
-            post_process=ps.is_pipeline_last_stage())
+        model = self.spec.package_module().model_provider(self.model_config(args), pre_process=pre_process,
+                                                          post_process=post_process)
         memory.update(freeze(model, args))
         if getattr(args, "encoder_dp_balance", False) and model.pre_process:
             # over the data-parallel ranks and their context-parallel ranks, which hold the same images
             model.encoder_balance_group = ps.get_data_parallel_group(with_context_parallel=True)
             model.encoder_balance_home = ps.get_data_parallel_rank()
-        return [model.to(device)]
+        return model
 
     def batches(self, args, dp_rank: int, start_iteration: int, device, chunks) -> list:
-        kind = vlm_data.DatasetBatches if args.data_path else vlm_data.SyntheticBatches
+        kind = vlm_data.DatasetBatches if vlm_data.records_path(args) else vlm_data.SyntheticBatches
         source = kind(args, self.model_config(args), dp_rank, start_iteration, device)
         if getattr(args, "packing", False):
             from mm_adaptor.data.packing import PackedBatches

@@ -112,10 +112,11 @@ class DatasetBatches:
         from mm_adaptor.data import build
 
         self.device, self.tokens_this_step = device, 0
-        self.batches = build(args.data_path, tokenizer(args, config), config, args.seq_length, args.micro_batch_size,
-                             args.global_batch_size, dp_rank, args.data_parallel_size, start_iteration,
-                             skip_bad_samples=args.skip_bad_samples, seed=args.seed,
-                             report=getattr(args, "validated_data", None), processing=processing(args, config))
+        split = getattr(args, "data_split", "train")
+        self.batches = build(records_path(args, split), tokenizer(args, config), config, args.seq_length,
+                             args.micro_batch_size, args.global_batch_size, dp_rank, args.data_parallel_size,
+                             start_iteration, skip_bad_samples=args.skip_bad_samples, seed=args.seed,
+                             report=_validated(args, split), processing=processing(args, config))
 
     def __iter__(self):
         return self
@@ -134,6 +135,56 @@ class DatasetBatches:
         self.tokens_this_step += int(batch["num_tokens"].sum())
         return {k: batch[k].to(self.device) if batch[k] is not None else None
                 for k in ("input_ids", "labels", "loss_mask", "position_ids", "pixel_values", "image_grid_thw")}
+
+
+def records_path(args, split: str = "train") -> str | None:
+    """The records file of a split: --data-path (the runner's one file; Megatron's list of one, split by --split),
+    or Megatron's --train-data-path / --valid-data-path / --test-data-path."""
+    if isinstance(args.data_path, str):
+        return args.data_path
+    separate = getattr(args, f"{split}_data_path", None)
+    if separate:
+        return separate[0]
+    return args.data_path[0] if args.data_path else None
+
+
+def record_split_problems(args) -> list[str]:
+    """What the trainer cannot read of Megatron's data arguments for records (one line each)."""
+    lists = [("--data-path", args.data_path)] + [(f"--{s}-data-path", getattr(args, f"{s}_data_path", None))
+                                                 for s in ("train", "valid", "test")]
+    for flag, paths in lists:
+        if isinstance(paths, list) and len(paths) > 1:
+            return [f"{flag} {' '.join(paths)}: several data sets (a weighted blend) are not read for vision-language "
+                    "records yet: give one file"]
+    return []
+
+
+def split_fractions(args) -> tuple[float, float, float] | None:
+    """Megatron's --split of one --data-path file (train, valid, test fractions), None when each split has its
+    own file."""
+    if isinstance(args.data_path, str) or not args.data_path:
+        return None
+    parts = [float(x) for x in str(args.split or "969, 30, 1").replace("/", ",").split(",") if x.strip()]
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts[:3])
+    return tuple(part / total for part in parts[:3])
+
+
+def _split_report(report, fractions, split: str):
+    """The split's part of the records, in the order of the file (Megatron's --split over document order)."""
+    from dataclasses import replace
+
+    if fractions is None:
+        return report
+    count = len(report.samples)
+    bounds = [0, round(fractions[0] * count), round((fractions[0] + fractions[1]) * count), count]
+    index = ("train", "valid", "test").index(split)
+    return replace(report, samples=report.samples[bounds[index]:bounds[index + 1]])
+
+
+def _validated(args, split: str):
+    reports = getattr(args, "validated_data", None)
+    return reports.get(split) if isinstance(reports, dict) else reports
 
 
 def tokenizer_dir(args) -> str | None:
@@ -173,17 +224,45 @@ def validate(args, config) -> list[str]:
     """The data set's validation pass (images opened, tokens counted) and the tokenizer/`config` match: the
     DataError's line, or nothing. The pass's report goes to args.validated_data, which the ranks this process
     launches receive with their arguments: they build their batches from it without a second pass."""
+    from mm_adaptor.data import DataError
+
+    if isinstance(args.data_path, str):  # the runner's one file
+        try:
+            report = _validated_file(args, config, args.data_path)
+        except (DataError, ValueError) as exc:
+            return [f"--data-path {args.data_path}: {exc}"]
+        args.validated_data = report
+        return []
+    problems = record_split_problems(args)
+    if problems:
+        return problems
+    fractions, reports, files = split_fractions(args), {}, {}
+    for split in ("train", "valid", "test"):
+        path = records_path(args, split)
+        if path is None:
+            continue
+        try:
+            if path not in files:
+                files[path] = _validated_file(args, config, path)
+        except (DataError, ValueError) as exc:
+            flag = "--data-path" if fractions else f"--{split}-data-path"
+            return [f"{flag} {path}: {exc}"]
+        reports[split] = _split_report(files[path], fractions, split)
+    if fractions and not reports["train"].samples:
+        return [f"--split {args.split} leaves no training records of {len(files[records_path(args)].samples)}: "
+                "give the training split a larger share"]
+    args.validated_data = reports
+    return []
+
+
+def _validated_file(args, config, path):
     from mm_adaptor.data import DataError, check_model_matches
     from mm_adaptor.data import validate as validate_data
 
-    try:
-        tok = tokenizer(args, config)
-        check_model_matches(tok, config)
-        report = validate_data(args.data_path, tok, args.seq_length, skip_bad_samples=args.skip_bad_samples,
-                               processing=processing(args, config))
-        if not report.samples:
-            raise DataError(f"no usable samples ({report.skipped} bad ones skipped)")
-    except (DataError, ValueError) as exc:
-        return [f"--data-path {args.data_path}: {exc}"]
-    args.validated_data = report
-    return []
+    tok = tokenizer(args, config)
+    check_model_matches(tok, config)
+    report = validate_data(path, tok, args.seq_length, skip_bad_samples=args.skip_bad_samples,
+                           processing=processing(args, config))
+    if not report.samples:
+        raise DataError(f"no usable samples ({report.skipped} bad ones skipped)")
+    return report

@@ -41,6 +41,8 @@ VERIFIED_ON: dict[str, tuple[str, ...]] = {
     "compat:torch-adam-distributed-checkpoint": ("0.16.1", "0.19.0"),
     "device:cpu:megatron-training": ("0.16.1", "0.18.0", "0.19.0"),
     "device:npu:megatron-training": ("0.16.1", "0.18.0", "0.19.0"),
+    "compat:dataset-helpers-prebuilt": ("0.16.1", "0.19.0"),
+    "trainer:megatron-training": ("0.19.0",),
 }
 # Targets whose contract is their parameters alone: Megatron-LM entry points the adaptor only wraps to call through
 # (adding its flags, enabling features after validation, passing allow_no_cuda); their bodies change every release
@@ -50,6 +52,14 @@ SIGNATURE_ONLY = frozenset({
     "megatron.training.arguments.validate_args",
     "megatron.training.yaml_arguments.validate_yaml",
     "megatron.training.initialize.initialize_megatron",
+    # the trainer's wrappers call through and add around (mm_adaptor/train/engine.py)
+    "megatron.training.arguments.parse_args",
+    "megatron.training.training.get_model",
+    "megatron.training.training.train_step",
+    "megatron.training.training.num_floating_point_operations",
+    "megatron.training.training.print_rank_last",
+    "megatron.training.checkpointing.load_checkpoint",
+    "megatron.training.initialize._warmup_jit_function",
 })
 
 

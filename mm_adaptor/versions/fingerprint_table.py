@@ -10,6 +10,7 @@ BASE = '0.16.1'
 TAGS = ('core_v0.16.1', 'core_v0.17.0', 'core_v0.17.1', 'core_v0.18.0', 'core_v0.19.0')
 
 FINGERPRINTS = {
+    'megatron.core.datasets.utils.compile_helpers': {'0.16.1': '8cab361fcc9f1c9b', '0.17.0': '8cab361fcc9f1c9b', '0.17.1': '8cab361fcc9f1c9b', '0.18.0': '8cab361fcc9f1c9b', '0.19.0': '8cab361fcc9f1c9b'},
     'megatron.core.fusions.fused_softmax.FusedScaleMaskSoftmax.is_kernel_available': {'0.16.1': 'a3f0579b1154148c', '0.17.0': 'a3f0579b1154148c', '0.17.1': 'a3f0579b1154148c', '0.18.0': 'a3f0579b1154148c', '0.19.0': 'a3f0579b1154148c'},
     'megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb': {'0.16.1': 'cde3d8ab952fa932', '0.17.0': '5b90c3f89cc0edcf', '0.17.1': '5b90c3f89cc0edcf', '0.18.0': '5b90c3f89cc0edcf', '0.19.0': '1835b110eb8b3bee'},
     'megatron.core.models.common.embeddings.rope_utils.fused_apply_rotary_pos_emb': {'0.16.1': '2dbe082cb48ced99', '0.17.0': '2dbe082cb48ced99', '0.17.1': '2dbe082cb48ced99', '0.18.0': '2dbe082cb48ced99', '0.19.0': '2dbe082cb48ced99'},
@@ -70,13 +71,21 @@ FINGERPRINTS = {
     'megatron.core.utils.is_te_min_version': {'0.16.1': 'd98bf60262927d8c', '0.17.0': 'd98bf60262927d8c', '0.17.1': 'd98bf60262927d8c', '0.18.0': 'd98bf60262927d8c', '0.19.0': 'd98bf60262927d8c'},
     'megatron.legacy.fused_kernels.load': {'0.16.1': '3afd00f9cb83902a', '0.17.0': None, '0.17.1': None, '0.18.0': None, '0.19.0': None},
     'megatron.training.arguments.add_megatron_arguments': {'0.16.1': 'sig:6b3b93f4e650', '0.17.0': 'sig:6b3b93f4e650', '0.17.1': 'sig:6b3b93f4e650', '0.18.0': 'sig:6b3b93f4e650', '0.19.0': 'sig:6b3b93f4e650'},
+    'megatron.training.arguments.parse_args': {'0.16.1': 'sig:1be56991f249', '0.17.0': 'sig:1be56991f249', '0.17.1': 'sig:1be56991f249', '0.18.0': 'sig:1be56991f249', '0.19.0': 'sig:1be56991f249'},
     'megatron.training.arguments.validate_args': {'0.16.1': 'sig:c49ebcead567', '0.17.0': 'sig:c49ebcead567', '0.17.1': 'sig:c49ebcead567', '0.18.0': 'sig:c49ebcead567', '0.19.0': 'sig:c49ebcead567'},
+    'megatron.training.checkpointing.load_checkpoint': {'0.16.1': 'sig:26d02acd4cb5', '0.17.0': 'sig:26d02acd4cb5', '0.17.1': 'sig:26d02acd4cb5', '0.18.0': 'sig:26d02acd4cb5', '0.19.0': 'sig:5057003b9b1a'},
     'megatron.training.dist_signal_handler.get_device': {'0.16.1': 'ad46e4903422ca6e', '0.17.0': 'ad46e4903422ca6e', '0.17.1': 'ad46e4903422ca6e', '0.18.0': 'ad46e4903422ca6e', '0.19.0': 'ad46e4903422ca6e'},
+    'megatron.training.initialize._warmup_jit_function': {'0.16.1': 'sig:1fa61569b209', '0.17.0': 'sig:1fa61569b209', '0.17.1': 'sig:1fa61569b209', '0.18.0': 'sig:1fa61569b209', '0.19.0': 'sig:b46f09144ec0'},
     'megatron.training.initialize.initialize_megatron': {'0.16.1': 'sig:0a7df7855a6c', '0.17.0': 'sig:0a7df7855a6c', '0.17.1': 'sig:0a7df7855a6c', '0.18.0': 'sig:005f65d2db7e', '0.19.0': 'sig:02e5a6b7174c'},
+    'megatron.training.training.get_model': {'0.16.1': 'sig:d82b2915d466', '0.17.0': 'sig:d82b2915d466', '0.17.1': 'sig:d82b2915d466', '0.18.0': 'sig:d82b2915d466', '0.19.0': 'sig:d82b2915d466'},
+    'megatron.training.training.num_floating_point_operations': {'0.16.1': 'sig:056333dedc01', '0.17.0': 'sig:056333dedc01', '0.17.1': 'sig:056333dedc01', '0.18.0': 'sig:ace8bb9fc31a', '0.19.0': 'sig:ace8bb9fc31a'},
+    'megatron.training.training.print_rank_last': {'0.16.1': 'sig:e7895ea7fffa', '0.17.0': 'sig:e7895ea7fffa', '0.17.1': 'sig:e7895ea7fffa', '0.18.0': 'sig:e7895ea7fffa', '0.19.0': 'sig:e7895ea7fffa'},
+    'megatron.training.training.train_step': {'0.16.1': 'sig:281195d4ea58', '0.17.0': 'sig:281195d4ea58', '0.17.1': 'sig:281195d4ea58', '0.18.0': 'sig:281195d4ea58', '0.19.0': 'sig:5db23d7108a8'},
     'megatron.training.yaml_arguments.validate_yaml': {'0.16.1': 'sig:c49ebcead567', '0.17.0': 'sig:c49ebcead567', '0.17.1': 'sig:c49ebcead567', '0.18.0': 'sig:c49ebcead567', '0.19.0': 'sig:c49ebcead567'},
 }
 
 CHANGED_LINES = {
+    'megatron.core.datasets.utils.compile_helpers': {'0.17.0': 0, '0.17.1': 0, '0.18.0': 0, '0.19.0': 0},
     'megatron.core.fusions.fused_softmax.FusedScaleMaskSoftmax.is_kernel_available': {'0.17.0': 0, '0.17.1': 0, '0.18.0': 0, '0.19.0': 0},
     'megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb': {'0.17.0': 7, '0.17.1': 7, '0.18.0': 7, '0.19.0': 20},
     'megatron.core.models.common.embeddings.rope_utils.fused_apply_rotary_pos_emb': {'0.17.0': 0, '0.17.1': 0, '0.18.0': 0, '0.19.0': 0},
@@ -137,8 +146,15 @@ CHANGED_LINES = {
     'megatron.core.utils.is_te_min_version': {'0.17.0': 0, '0.17.1': 0, '0.18.0': 0, '0.19.0': 0},
     'megatron.legacy.fused_kernels.load': {'0.17.0': 38, '0.17.1': 38, '0.18.0': 38, '0.19.0': 38},
     'megatron.training.arguments.add_megatron_arguments': {'0.17.0': 0, '0.17.1': 0, '0.18.0': 2, '0.19.0': 3},
+    'megatron.training.arguments.parse_args': {'0.17.0': 0, '0.17.1': 0, '0.18.0': 27, '0.19.0': 27},
     'megatron.training.arguments.validate_args': {'0.17.0': 492, '0.17.1': 506, '0.18.0': 676, '0.19.0': 852},
+    'megatron.training.checkpointing.load_checkpoint': {'0.17.0': 0, '0.17.1': 0, '0.18.0': 29, '0.19.0': 544},
     'megatron.training.dist_signal_handler.get_device': {'0.17.0': 0, '0.17.1': 0, '0.18.0': 0, '0.19.0': 0},
+    'megatron.training.initialize._warmup_jit_function': {'0.17.0': 0, '0.17.1': 0, '0.18.0': 0, '0.19.0': 5},
     'megatron.training.initialize.initialize_megatron': {'0.17.0': 6, '0.17.1': 6, '0.18.0': 43, '0.19.0': 81},
+    'megatron.training.training.get_model': {'0.17.0': 16, '0.17.1': 16, '0.18.0': 82, '0.19.0': 137},
+    'megatron.training.training.num_floating_point_operations': {'0.17.0': 86, '0.17.1': 86, '0.18.0': 259, '0.19.0': 259},
+    'megatron.training.training.print_rank_last': {'0.17.0': 0, '0.17.1': 0, '0.18.0': 0, '0.19.0': 0},
+    'megatron.training.training.train_step': {'0.17.0': 0, '0.17.1': 0, '0.18.0': 49, '0.19.0': 112},
     'megatron.training.yaml_arguments.validate_yaml': {'0.17.0': 9, '0.17.1': 9, '0.18.0': 28, '0.19.0': 28},
 }

@@ -44,8 +44,10 @@ def _device_and_hook_patch_sets(errors: list[str]) -> list:
     from mm_adaptor.devices import megatron_compat
     from mm_adaptor.core.patching import PatchSet
 
+    from mm_adaptor.train import engine
+
     sets = [*megatron_compat.every_device_patch_sets(), megatron_lm._arguments_patch_set(),
-            megatron_lm._yaml_patch_set()]
+            megatron_lm._yaml_patch_set(), engine.trainer_patch_set()]
     for backend in (CpuBackend(), NpuBackend()):
         for method in (backend.device_patch_sets, backend.training_patch_sets):
             try:

@@ -3,7 +3,7 @@
 Megatron's DotProductAttention asserts `packed_seq_params is None` (only Transformer Engine's attention takes THD).
 With packed_seq_params the wrapper here runs mm_adaptor.ops.varlen_attention on query [T, np, hn] and key/value
 [T, ng, hn] (Attention.forward squeezes the dummy batch dimension for THD), one causal segment per sample of
-cu_seqlens; without, megatron's own forward runs. The driver applies it for --packing (mm_adaptor.train.loop)."""
+cu_seqlens; without, megatron's own forward runs. The trainer and the harness runner apply it for --packing."""
 
 from __future__ import annotations
 

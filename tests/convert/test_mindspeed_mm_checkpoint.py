@@ -238,7 +238,7 @@ def both(tmp_path_factory):
 @pytest.mark.distributed
 def test_same_weights_same_losses_and_mcore_to_hf_reads_the_saves(both, capsys):
     from mm_adaptor.convert.cli import main
-    from mm_adaptor.train import parse_args, run
+    from mm_adaptor.harness.runner import parse_args, run
     from test_roundtrip import load_dir
 
     root, shapes = both

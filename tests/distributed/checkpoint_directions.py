@@ -2,9 +2,9 @@
 training steps 3-4 exactly as the uninterrupted run without it (loading and saving without it on both sides is
 the driver's own resume test)."""
 
-from mm_adaptor import train
+from mm_adaptor.harness import runner as train
 from mm_adaptor.harness import LAYOUTS
-from mm_adaptor.train.checkpoint import MARKER
+from mm_adaptor.harness.runner.checkpoint import MARKER
 
 
 def losses(layout, extra, iters):

@@ -5,7 +5,7 @@ without recompute bit for bit; and the dropout really drops (the losses differ f
 import pytest
 import torch
 
-from mm_adaptor import train
+from mm_adaptor.harness import runner as train
 from mm_adaptor.harness import LAYOUTS
 
 pytestmark = pytest.mark.distributed

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mm_adaptor import train
+from mm_adaptor.harness import runner as train
 from mm_adaptor.harness import LAYOUTS as HARNESS_LAYOUTS
 
 pytestmark = pytest.mark.distributed

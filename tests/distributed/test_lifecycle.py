@@ -11,9 +11,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mm_adaptor import train
+from mm_adaptor.harness import runner as train
 from mm_adaptor.ranks.launcher import LaunchError, is_process_helper, launch, report_progress
-from mm_adaptor.train.checkpoint import MARKER
+from mm_adaptor.harness.runner.checkpoint import MARKER
 
 pytestmark = pytest.mark.distributed
 

@@ -17,7 +17,7 @@ from mm_adaptor.core import features
 from mm_adaptor.versions import serving
 from mm_adaptor.harness import composition
 from mm_adaptor.train import hybrid
-from mm_adaptor.train.arguments import LayoutError, finalize_args, parse_args
+from mm_adaptor.harness.runner.arguments import LayoutError, finalize_args, parse_args
 
 BUILT_IN = sorted(features.built_in_features(), key=lambda f: f.name)
 STATES = {state.name: state for state in serving.feature_states()}

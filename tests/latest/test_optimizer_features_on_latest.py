@@ -98,9 +98,9 @@ def test_swapped_main_parameters_stay_in_host_memory_when_the_chained_optimizer_
 
     import mm_adaptor
     from mm_adaptor.devices.memory import STATE_HOLDER
-    from mm_adaptor.train.arguments import finalize_args, parse_args
+    from mm_adaptor.harness.runner.arguments import finalize_args, parse_args
     from mm_adaptor.patches.optimizer.swap_optimizer import SwappedOptimizerState
-    from mm_adaptor.train.model import build_model, build_optimizer, transformer_config, wrap_model
+    from mm_adaptor.harness.runner.model import build_model, build_optimizer, transformer_config, wrap_model
 
     def build(threshold):
         from megatron.core import tensor_parallel

@@ -83,7 +83,7 @@ def test_a_dynamic_rope_checkpoint_refuses_a_longer_seq_length_before_any_rank(t
     exit 2, before any rank starts; at the limit the checks pass."""
     import json
 
-    from mm_adaptor import train
+    from mm_adaptor.harness import runner as train
     from mm_adaptor.data.shapes import make_shapes
 
     config = tiny_config(max_position_embeddings=64, rope_dynamic_factor=2.0)

@@ -59,7 +59,7 @@ RUNS = {  # name: (driver flags, memory.Activations fields)
 @pytest.fixture(scope="module")
 def measured():
     """{run: (saved bytes per layer on the device, in host memory)} of one training step each."""
-    from mm_adaptor.train import parse_args, run
+    from mm_adaptor.harness.runner import parse_args, run
 
     out = {}
     for name, (flags, _fields) in RUNS.items():

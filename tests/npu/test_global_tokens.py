@@ -12,7 +12,7 @@ pytestmark = pytest.mark.npu
 def test_global_tokens_all_reduces_an_int64_count(monkeypatch):
     from megatron.core import parallel_state as ps
 
-    from mm_adaptor.train import loop
+    from mm_adaptor.harness.runner import loop
 
     seen = []
 

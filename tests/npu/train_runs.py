@@ -11,7 +11,7 @@ import tempfile
 def one(spec: dict) -> dict:
     import torch
 
-    from mm_adaptor import train
+    from mm_adaptor.harness import runner as train
 
     os.environ["MM_ADAPTOR_DEVICE"] = spec["device"]
     probe = tempfile.mkdtemp(prefix="fake-npu-probe-")

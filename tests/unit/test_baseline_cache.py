@@ -2,7 +2,7 @@
 
 import torch
 
-from mm_adaptor import train
+from mm_adaptor.harness import runner as train
 from mm_adaptor.harness import baseline
 
 

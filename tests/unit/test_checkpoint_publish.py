@@ -1,7 +1,7 @@
 """The marker only ever names a complete checkpoint, also when a save of the same iteration replaces one."""
 
-from mm_adaptor.train import checkpoint_files as checkpoint
-from mm_adaptor.train.arguments import checkpoint_iteration
+from mm_adaptor.harness.runner import checkpoint_files as checkpoint
+from mm_adaptor.harness.runner.arguments import checkpoint_iteration
 
 
 def _save_dir(root, name, content):

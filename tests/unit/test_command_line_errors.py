@@ -141,7 +141,8 @@ def test_check_without_layout_takes_the_parallel_flags_as_the_layout(layout_flag
 
 def test_a_family_whose_config_has_no_context_parallel_size_refuses_it(monkeypatch):
     """Every family built today takes CP; one whose model config lacks the field is refused in one line."""
-    from mm_adaptor.train import families, finalize_args, parse_args, vlm
+    from mm_adaptor.harness.runner import finalize_args, parse_args
+    from mm_adaptor.train import families, vlm
 
     args = parse_args(["--model", "internvl-tiny", "--nproc-per-node", "2", "--context-parallel-size", "2"])
     finalize_args(args, 2)

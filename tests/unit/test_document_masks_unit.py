@@ -140,7 +140,7 @@ def test_the_varlen_op_on_the_documents_equals_megatrons_masked_softmax(megatron
 def test_the_drivers_document_rows_are_megatrons():
     """--reset-attention-mask --reset-position-ids: the driver's GPT rows hold several documents ended by EOD, with
     positions restarting after each EOD and the mask of exactly those documents; the same rows in every layout."""
-    from mm_adaptor.train.arguments import parse_args
+    from mm_adaptor.harness.runner.arguments import parse_args
     from mm_adaptor.train.data import MockBatches
 
     args = parse_args(["--seq-length", "64", "--micro-batch-size", "2", "--reset-attention-mask",

@@ -157,7 +157,7 @@ def test_dump_names_grouped_experts_like_sequential_ones(cpu_backend):
     per-expert weights must reproduce GroupedMLP's output."""
     from megatron.core.transformer.moe.experts import GroupedMLP
 
-    from mm_adaptor.train import dump_entries
+    from mm_adaptor.harness.runner import dump_entries
 
     mm_adaptor.enable(argparse.Namespace(use_fused_gmm=True, num_experts=2, moe_grouped_gemm=True,
                                          disable_bias_linear=True))

@@ -32,7 +32,7 @@ def test_feature_flags_are_split_from_training_flags():
 
 
 def _dump(losses=(1.0,), grads=None, activations=None, params=None, initial=None):
-    from mm_adaptor.train import Dump, RankDump
+    from mm_adaptor.harness.runner import Dump, RankDump
 
     rank = RankDump(rank=0, losses=list(losses), grad_norms=[None] * len(losses), grads=grads or [],
                     activations=activations or {}, params=params or {}, initial_params=initial or {})

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from mm_adaptor.ranks.launcher import LaunchError, launch
-from mm_adaptor.train import LayoutError, build_parser, finalize_args
+from mm_adaptor.harness.runner import LayoutError, build_parser, finalize_args
 
 
 def _fail_on_rank_one():
@@ -90,7 +90,7 @@ def test_interleaved_schedule_sends_unbatched_as_megatron_lm_does():
     posting order, and megatron posts them in opposite orders on the two sides: gloo swapped them and the
     interleaved layout trained on swapped tensors. Megatron-LM forbids that combination; the driver now uses
     Megatron-LM's default for the interleaved schedule (overlapped, unbatched transfers)."""
-    from mm_adaptor.train.model import transformer_config
+    from mm_adaptor.harness.runner.model import transformer_config
 
     interleaved = finalize_args(_args("--pipeline-model-parallel-size", "2", "--num-layers", "4",
                                       "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8"), 2)

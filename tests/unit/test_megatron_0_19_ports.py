@@ -43,7 +43,7 @@ def without_grouped_mlp(monkeypatch):
 
 
 def test_the_parameter_dump_works_without_grouped_mlp(monkeypatch):
-    from mm_adaptor.train.dump import dump_entries
+    from mm_adaptor.harness.runner.dump import dump_entries
 
     without_grouped_mlp(monkeypatch)
     assert [name for name, _, _ in dump_entries(torch.nn.Linear(2, 3))] == ["weight", "bias"]

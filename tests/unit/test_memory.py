@@ -77,8 +77,8 @@ def test_host_residence_when_the_model_runs_on_an_accelerator():
 def build_tiny_gpt(argv):
     from megatron.core import tensor_parallel
 
-    from mm_adaptor.train.arguments import finalize_args, parse_args
-    from mm_adaptor.train.model import build_model, build_optimizer, transformer_config, wrap_model
+    from mm_adaptor.harness.runner.arguments import finalize_args, parse_args
+    from mm_adaptor.harness.runner.model import build_model, build_optimizer, transformer_config, wrap_model
 
     args = finalize_args(parse_args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
                                      "--vocab-size", "128", "--seq-length", "16", *argv]), 1)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from mm_adaptor.mindspeed_mm import arguments, data_json, model_json
-from mm_adaptor.train import parse_args
+from mm_adaptor.harness.runner import parse_args
 
 # Facts: the arguments of examples/qwen2.5vl/finetune_qwen2_5_vl_{3b,7b,32b,72b}.sh in Ascend/MindSpeed-MM
 # (DISTRIBUTED_ARGS, GPT_ARGS, MM_ARGS, OUTPUT_ARGS and the torchrun line), as (name, value or None for a switch).

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from mm_adaptor.models import registry
-from mm_adaptor.train import LayoutError, check_args, families, parse_args
+from mm_adaptor.harness.runner import LayoutError, check_args, parse_args
+from mm_adaptor.train import families
 
 TRAIN = Path(__file__).resolve().parents[2] / "mm_adaptor" / "train"
 

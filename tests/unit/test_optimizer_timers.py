@@ -48,8 +48,8 @@ def test_optimizer_timers_start_and_stop_with_the_feature_on(flags, rank):
     from megatron.core import tensor_parallel
 
     from mm_adaptor.patches.optimizer.state_holder import holder_of
-    from mm_adaptor.train.arguments import build_parser, finalize_args
-    from mm_adaptor.train.model import build_model, build_optimizer, transformer_config, wrap_model
+    from mm_adaptor.harness.runner.arguments import build_parser, finalize_args
+    from mm_adaptor.harness.runner.model import build_model, build_optimizer, transformer_config, wrap_model
 
     args = build_parser().parse_args(["--num-layers", "2", "--nproc-per-node", "1", "--bf16", *flags])
     finalize_args(args, 1)

@@ -7,7 +7,7 @@ import torch
 
 from mm_adaptor.data.packing import (PackedBatches, SampleTooLong, first_fit_decreasing, pack, packed_seq_params,
                                      text_sample)
-from mm_adaptor.train import main
+from mm_adaptor.harness.runner import main
 from mm_adaptor.train.data import MockBatches
 
 

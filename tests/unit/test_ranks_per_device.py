@@ -11,7 +11,7 @@ from mm_adaptor.cli import check
 from mm_adaptor.devices.cpu import CpuBackend
 from mm_adaptor.devices.cuda import CudaBackend
 from mm_adaptor.harness.compare import LAYOUTS, checked_args, ranks_for
-from mm_adaptor.train import LayoutError, check_args, parse_args
+from mm_adaptor.harness.runner import LayoutError, check_args, parse_args
 
 
 @pytest.fixture

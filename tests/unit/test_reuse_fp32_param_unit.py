@@ -174,7 +174,7 @@ def test_optimizer_state_features_refuse_in_one_line(feature, kw, names):
 def test_virtual_optimizer_value_is_optional():
     import math
 
-    from mm_adaptor.train import parse_args
+    from mm_adaptor.harness.runner import parse_args
 
     assert parse_args(["--virtual-optimizer"]).virtual_optimizer == math.inf
     assert parse_args(["--virtual-optimizer", "2.5", "--bf16"]).virtual_optimizer == 2.5

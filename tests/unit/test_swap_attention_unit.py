@@ -75,8 +75,8 @@ def test_cpu_backend_streams_are_ordered_no_ops():
 def build(extra):
     from megatron.core import tensor_parallel
 
-    from mm_adaptor.train.arguments import build_parser, finalize_args
-    from mm_adaptor.train.model import build_model, transformer_config
+    from mm_adaptor.harness.runner.arguments import build_parser, finalize_args
+    from mm_adaptor.harness.runner.model import build_model, transformer_config
 
     args = build_parser().parse_args(["--num-layers", "3", "--nproc-per-node", "1", "--normalization", "RMSNorm",
                                       "--swiglu", "--position-embedding-type", "rope", *extra])

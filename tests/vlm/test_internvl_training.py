@@ -7,7 +7,7 @@ bytes equal models/internvl/memory.py's formula."""
 
 import pytest
 
-from mm_adaptor.train import parse_args, run
+from mm_adaptor.harness.runner import parse_args, run
 
 pytestmark = pytest.mark.distributed
 

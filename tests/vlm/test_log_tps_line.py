@@ -1,8 +1,8 @@
 """--log-tps: the iteration line and the summary carry MindSpeed-MM's tokens per sample, tokens per second of
 non-padding language tokens and samples per second; without it the GPT line is unchanged."""
 
-from mm_adaptor.train import logs, parse_args
-from mm_adaptor.train.logs import StepRecord, format_iteration, summary
+from mm_adaptor.harness.runner import logs, parse_args
+from mm_adaptor.harness.runner.logs import StepRecord, format_iteration, summary
 
 RECORD = StepRecord(iteration=3, loss=2.5, grad_norm=1.25, elapsed_ms=250.0, lr=1e-3, tokens_per_second=2344.0,
                     tokens_per_sample=146.5, samples_per_second=16.0)

@@ -183,7 +183,7 @@ def test_the_7b_script_trains_the_mm_checkpoint_on_two_cpu_ranks(migration):
 
 def _refused(capsys, monkeypatch, root, command, *words):
     """The command without torchrun, in this process: the refusal comes from parsing, before any rank."""
-    from mm_adaptor.train import main
+    from mm_adaptor.harness.runner import main
 
     monkeypatch.chdir(root)
     monkeypatch.setenv("MM_ADAPTOR_DEVICE", "cpu")  # what --distributed-backend gloo sets, undone after the test

@@ -5,7 +5,7 @@ DeepStack layers on a later stage is refused in one line before any rank starts.
 
 import pytest
 
-from mm_adaptor.train import LayoutError, check_args, parse_args, run
+from mm_adaptor.harness.runner import LayoutError, check_args, parse_args, run
 
 pytestmark = pytest.mark.distributed
 

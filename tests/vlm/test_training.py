@@ -5,7 +5,7 @@ buffer or optimizer state, projector-only alignment changes the projector only, 
 
 import pytest
 
-from mm_adaptor.train import parse_args, run
+from mm_adaptor.harness.runner import parse_args, run
 
 pytestmark = pytest.mark.distributed
 

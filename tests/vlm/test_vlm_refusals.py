@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mm_adaptor.train import LayoutError, check_args, main, parse_args
+from mm_adaptor.harness.runner import LayoutError, check_args, main, parse_args
 
 
 def _problems(*argv, nproc=2):

@@ -34,3 +34,11 @@ def synthetic_visual(config, generator):
     prompt = [config.image_start_token_id] + [config.image_token_id] * config.image_seq_length + \
         [config.image_end_token_id]
     return prompt, pixels
+
+
+def vision_forward_flops(config, batch) -> tuple[float, float]:
+    """(tower, projector) forward FLOPs of the batch's tiles (mm_adaptor.models.vision_flops)."""
+    from mm_adaptor.models import vision_flops
+
+    pixels = batch.get("pixel_values")
+    return vision_flops.internvl(config, 0 if pixels is None else int(pixels.shape[0]))

@@ -26,3 +26,12 @@ def rope_index(*args, **kwargs):
     from mm_adaptor.models.qwen3_vl.positions import rope_index as index
 
     return index(*args, **kwargs)
+
+
+def vision_forward_flops(config, batch) -> tuple[float, float]:
+    """(tower, projector) forward FLOPs of the batch's images and videos (mm_adaptor.models.vision_flops)."""
+    from mm_adaptor.models import vision_flops
+
+    grids = [grid for key in ("image_grid_thw", "video_grid_thw") if batch.get(key) is not None
+             for grid in batch[key].tolist()]
+    return vision_flops.qwen3_vl(config, grids)

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from mm_adaptor.train import families
-from mm_adaptor.train.checkpoint_files import (  # noqa: F401  (latest_checkpoint: callers read it here too)
+from mm_adaptor.harness.runner.checkpoint_files import (  # noqa: F401  (latest_checkpoint: callers read it here too)
     CONTENTS, MARKER, checkpoint_dir, latest_checkpoint, publish, replace_file)
 from mm_adaptor.core.wrapped import unwrap
 

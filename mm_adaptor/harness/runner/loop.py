@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 import mm_adaptor
 from mm_adaptor.ranks.launcher import report_progress
 from mm_adaptor.train import families
-from mm_adaptor.train.arguments import finalize_args
-from mm_adaptor.train.checkpoint import load_checkpoint, save_checkpoint
+from mm_adaptor.harness.runner.arguments import finalize_args
+from mm_adaptor.harness.runner.checkpoint import load_checkpoint, save_checkpoint
 from mm_adaptor.train.data import ContextParallelSlices
-from mm_adaptor.train.dump import Recorder
-from mm_adaptor.train.logs import StepRecord, describe_layout, format_iteration, print_last_rank, set_silent, summary
-from mm_adaptor.train.model import (  # noqa: F401  (loss_func: callers read it here too)
-    build_model, build_optimizer, connect_grad_sync, loss_func, transformer_config, wrap_model)
+from mm_adaptor.harness.runner.dump import Recorder
+from mm_adaptor.harness.runner.logs import StepRecord, describe_layout, format_iteration, print_last_rank, set_silent, summary
+from mm_adaptor.harness.runner.model import (  # noqa: F401  (loss_func: callers read it here too)
+    build_model, build_optimizer, connect_grad_sync, loss_func, per_virtual_stage, transformer_config, wrap_model)
 
 
 @dataclass
@@ -169,7 +169,9 @@ def _build(args, device) -> RunState:
                                      args.data_parallel_size)
     _set_seeds(args.seed)
     state = RunState(args=args)
-    chunks = families.of(args).build(args, device, state.memory)
+    family = families.of(args)
+    config = transformer_config(args) if family.builds_from_transformer_config else None
+    chunks = per_virtual_stage(args, device, lambda **stage: family.chunk(args, config, memory=state.memory, **stage))
     config = chunks[0].config
     state.model = wrap_model(args, config, chunks)
     state.optimizer, state.scheduler = build_optimizer(args, config, state.model)

@@ -1,0 +1,177 @@
+"""One rank of the trainer: the one-line import (device backend, feature flags, the features applied after
+Megatron validates its arguments), then megatron.training.pretrain() with the family's providers.
+
+The trainer's own patch set attaches to Megatron's engine only where it has no way to take what the trainer adds
+(each wrapper calls Megatron's function through):
+- parse_args: the trainer's preparation of the parsed arguments (arguments.prepare) before Megatron validates them;
+- get_model: the banner line, and the routers' hooks of the expert-load spread;
+- train_step: the step's counts (tokens, rows, vision FLOPs, expert loads) made global at its end, the step's
+  packs announced before it (--packing), progress for the local launcher;
+- num_floating_point_operations: a vision-language family's vision FLOPs added (flops.py);
+- print_rank_last: the trainer's fields appended to Megatron's iteration line (step_log.py);
+- load_checkpoint: MindSpeed-MM's mm-convert layout loaded (weights only);
+- _warmup_jit_function: skipped when the run turned off every fusion it compiles."""
+
+from __future__ import annotations
+
+from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+
+PATCH_SET = "trainer:megatron-training"
+TRAINING = "megatron.training.training"
+
+
+def _contract() -> Contract:
+    return Contract(versions=SUPPORTED_MEGATRON_CORE)
+
+
+def trainer_patch_set(handoff: dict | None = None) -> PatchSet:
+    ps = PATCH_SET_CHANGES
+    patches = PatchSet(PATCH_SET, changes=ps["changes"], unpatched=ps["unpatched"])
+    patches.wrap("megatron.training.arguments.parse_args", _prepared(handoff or {}), contract=_contract())
+    patches.wrap(f"{TRAINING}.get_model", _built, contract=_contract())
+    patches.wrap(f"{TRAINING}.train_step", _counted_step, contract=_contract())
+    patches.wrap(f"{TRAINING}.num_floating_point_operations", _flops, contract=_contract())
+    patches.wrap(f"{TRAINING}.print_rank_last", _iteration_fields, contract=_contract())
+    patches.wrap("megatron.training.checkpointing.load_checkpoint", _load_mm_checkpoint, contract=_contract())
+    patches.wrap("megatron.training.initialize._warmup_jit_function", _warm_up_what_runs, contract=_contract())
+    return patches
+
+
+PATCH_SET_CHANGES = dict(
+    changes="mm_adaptor's trainer on megatron.training: its arguments prepared before Megatron validates them, "
+            "its fields on the iteration line, the vision FLOPs in the throughput, MindSpeed-MM checkpoints loaded",
+    unpatched="pretrain() with the trainer's providers, without those additions")
+
+
+def _prepared(handoff: dict):
+    def parse(wrapped, _instance, args, kwargs):
+        from mm_adaptor.train import arguments
+
+        parsed = wrapped(*args, **kwargs)
+        provider = kwargs.get("extra_args_provider", args[0] if args else None)
+        if provider is not arguments.add_arguments:  # another reader of the command line (fault tolerance's)
+            return parsed
+        parsed = arguments.prepare(parsed)
+        for name, value in handoff.items():  # what the launching process already established (a data report)
+            setattr(parsed, name, value)
+        return parsed
+
+    return parse
+
+
+def _built(wrapped, _instance, args, kwargs):
+    from megatron.training import get_args, print_rank_0
+
+    from mm_adaptor.api import applied_features
+    from mm_adaptor.train import expert_load, families, providers
+
+    model = wrapped(*args, **kwargs)
+    megatron_args = get_args()
+    chunks = model if isinstance(model, list) else [model]
+    expert_load.LOADS.attach(chunks, megatron_args)
+    family = families.of(megatron_args)
+    frozen = providers.MEMORY.get("frozen_towers")
+    print_rank_0(f"> mm_adaptor trainer: {family.model}{family.banner(megatron_args)}; features: "
+                 f"{', '.join(applied_features()) or 'none'}" + (f"; frozen: {', '.join(frozen)}" if frozen else ""))
+    return model
+
+
+def _warm_up_what_runs(wrapped, _instance, args, kwargs):
+    """Megatron compiles its bias-activation and bias-dropout-add fusions at start whether or not the run uses
+    them (torch.compile: seconds on every rank, minutes on a CPU with a cold cache); when neither is on, nothing."""
+    from megatron.training import get_args
+
+    a = get_args()
+    activation = a.bias_swiglu_fusion if a.swiglu else a.bias_gelu_fusion  # the one it warms up
+    if not (activation or a.bias_dropout_fusion):
+        return None
+    return wrapped(*args, **kwargs)
+
+
+def _train_source(data_iterator):
+    """The trainer's batch iterator under Megatron's data iterator (the first one with VPP)."""
+    iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
+    return getattr(iterator, "iterable", iterator)
+
+
+def _counted_step(wrapped, _instance, args, kwargs):
+    from megatron.training import get_args
+
+    from mm_adaptor import devices
+    from mm_adaptor.ranks.launcher import report_progress
+    from mm_adaptor.train import expert_load, step_log
+
+    megatron_args = get_args()
+    data_iterator = kwargs.get("data_iterator", args[1] if len(args) > 1 else None)
+    iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+    sources = [getattr(it, "iterable", it) for it in iterators if it is not None]
+    report_progress("training", megatron_args.curr_iteration + 1)
+    step_log.STEP.reset_step()
+    for source in sources:
+        getattr(source, "start_step", lambda: None)()
+    result = wrapped(*args, **kwargs)
+    device = devices.current().torch_device()
+    step_log.STEP.finish_step(sources[0] if sources else None, megatron_args, device)
+    expert_load.LOADS.finish_step(device)
+    return result
+
+
+def _flops(wrapped, _instance, args, kwargs):
+    """Megatron's num_floating_point_operations(args, batch_size): the language model over the step's rows (its
+    samples, or its packs), plus the step's vision FLOPs (step_log.STEP, made global at the step's end)."""
+    from mm_adaptor.train.step_log import STEP
+
+    megatron_args, batch_size = (list(args) + [None, None])[:2]
+    megatron_args = kwargs.get("args", megatron_args)
+    batch_size = kwargs.get("batch_size", batch_size)
+    return wrapped(megatron_args, STEP.rows or batch_size) + STEP.vision_flops
+
+
+def _iteration_fields(wrapped, _instance, args, kwargs):
+    from megatron.training import get_args
+
+    from mm_adaptor.train import step_log
+
+    message = kwargs.get("message", args[0] if args else "")
+    if isinstance(message, str) and step_log.ITERATION_LINE.search(message):
+        message = message + step_log.STEP.line_fields(message, get_args())
+        return wrapped(message)
+    return wrapped(*args, **kwargs)
+
+
+def _load_mm_checkpoint(wrapped, _instance, args, kwargs):
+    """Megatron's load_checkpoint; a MindSpeed-MM layout under --load (mm-convert's torch files, their module
+    names) loads its weights through mm_adaptor.convert.mindspeed_mm, as a fine-tuning start."""
+    from megatron.training import get_args
+
+    from mm_adaptor.convert.mindspeed_mm import is_mm_checkpoint, load_mm_checkpoint
+
+    megatron_args = get_args()
+    load_dir = kwargs.get("load_arg") and getattr(megatron_args, kwargs["load_arg"], None) or megatron_args.load
+    if not load_dir or not is_mm_checkpoint(load_dir):
+        return wrapped(*args, **kwargs)
+    from mm_adaptor.core.wrapped import unwrap
+
+    model, optimizer = (list(args) + [None, None])[:2]
+    model = kwargs.get("model", model)
+    optimizer = kwargs.get("optimizer", optimizer)
+    chunks = model if isinstance(model, list) else [model]
+    iteration = load_mm_checkpoint(load_dir, [unwrap(chunk) for chunk in chunks], {})
+    if optimizer is not None:
+        optimizer.reload_model_params()
+    return (0 if megatron_args.finetune else iteration), 0
+
+
+def run_rank(argv: list[str], handoff: dict | None = None) -> None:
+    """This rank's whole job: the one-line import, the trainer's patches, pretrain()."""
+    import mm_adaptor.megatron_adaptor  # noqa: F401  (the device backend, feature flags and features)
+    from mm_adaptor.train import arguments, megatron_training, providers
+
+    patches = trainer_patch_set(handoff)
+    patches.apply()
+    try:
+        megatron_training.pretrain(argv, arguments.PROG, extra_args_provider=arguments.add_arguments,
+                                   datasets_provider=providers.datasets_provider,
+                                   model_provider=providers.model_provider, forward_step=providers.forward_step)
+    finally:
+        patches.revert()

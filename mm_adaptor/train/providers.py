@@ -1,0 +1,138 @@
+"""The trainer's providers for megatron.training.pretrain(): this rank's model of one (virtual) stage, its train /
+validation / test data, and the forward step, each the run's family's (mm_adaptor.train.families, vlm)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+# What the family's builders record while building (frozen towers, hybrid layer kinds): the banner reads it.
+MEMORY: dict = {}
+# Splits as pretrain() asks for them; each draws its samples from its own stream (the seed moved by the index)
+SPLITS = ("train", "valid", "test")
+SPLIT_SEED_STRIDE = 7919
+
+# TransformerConfig fields a vision-language family takes from Megatron's arguments (its architecture comes from
+# its own config): how it trains, not what it is. Not rope fusion: megatron's fused rope has no multimodal (mrope)
+# path in the [s, b, h, d] layout, so the families keep their own rope.
+RUNTIME_FIELDS = (
+    "calculate_per_token_loss", "deallocate_pipeline_outputs", "batch_p2p_comm", "overlap_p2p_comm",
+    "gradient_accumulation_fusion", "recompute_granularity", "recompute_method", "recompute_num_layers",
+    "distribute_saved_activations", "init_method_std", "bias_activation_fusion", "bias_dropout_fusion",
+    "masked_softmax_fusion", "persist_layer_norm", "attention_softmax_in_fp32",
+    "barrier_with_L1_time", "timers", "finalize_model_grads_func", "no_sync_func", "grad_sync_func",
+    "param_sync_func", "grad_scale_func",
+)
+
+
+def _args():
+    from megatron.training import get_args
+
+    return get_args()
+
+
+def runtime_fields(args) -> dict:
+    """The training settings of Megatron's arguments as TransformerConfig fields (core_transformer_config_from_args
+    of the shaped arguments), for a family that builds its own config."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    config = core_transformer_config_from_args(args)
+    names = {f.name for f in dataclasses.fields(config)}
+    fields = {name: getattr(config, name) for name in RUNTIME_FIELDS if name in names}
+    for name in ("hidden_dropout", "attention_dropout"):  # given on the command line: the user's, else the family's
+        if getattr(args, f"{name}_given", False):
+            fields[name] = getattr(args, name)
+    return fields
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None, **_unused):
+    """Megatron's model provider: the family's chunk of this stage (the GPT from Megatron's own TransformerConfig of
+    the arguments, as pretrain_gpt.py builds it; a vision-language family from its config, with Megatron's training
+    settings)."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from mm_adaptor.train import families
+
+    args = _args()
+    family = families.of(args)
+    transformer_config = None
+    if family.builds_from_transformer_config:
+        transformer_config = config if config is not None else core_transformer_config_from_args(args)
+    else:
+        args.transformer_runtime = runtime_fields(args)
+    return family.chunk(args, transformer_config, pre_process=pre_process, post_process=post_process,
+                        vp_stage=vp_stage, memory=MEMORY)
+
+
+def _split_args(args, split: str) -> argparse.Namespace:
+    """The arguments a split's batches are drawn with: its own seed, and for validation and test the evaluation
+    batch size Megatron's evaluate() reads."""
+    index = SPLITS.index(split)
+    if index == 0:
+        return args
+    view = argparse.Namespace(**vars(args))
+    view.seed = args.seed + SPLIT_SEED_STRIDE * index
+    view.global_batch_size = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
+    view.micro_batch_size = getattr(args, "eval_micro_batch_size", None) or args.micro_batch_size
+    return view
+
+
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron's datasets provider under --dataloader-type external: an endless iterator of this rank's
+    micro-batches per split, from the consumed samples of a resumed run on (the family's batches; the validation
+    and test splits drawn apart from the training samples)."""
+    from megatron.core import parallel_state as ps
+
+    from mm_adaptor import devices
+    from mm_adaptor.train import families
+    from mm_adaptor.train.data import ContextParallelSlices
+
+    args = _args()
+    family = families.of(args)
+    device = devices.current().torch_device()
+    consumed = {"train": args.consumed_train_samples, "valid": args.consumed_valid_samples, "test": 0}
+    iterators = []
+    for split, wanted in zip(SPLITS, train_val_test_num_samples):
+        if not wanted and split != "train":
+            iterators.append(None)
+            continue
+        view = _split_args(args, split)
+        view.data_parallel_size = ps.get_data_parallel_world_size()
+        view.num_microbatches = view.global_batch_size // (view.micro_batch_size * view.data_parallel_size)
+        view.data_split = split
+        start_iteration = consumed[split] // view.global_batch_size
+        batches = family.batches(view, ps.get_data_parallel_rank(), start_iteration, device, [None])[0]
+        if ps.get_context_parallel_world_size() > 1:
+            batches = ContextParallelSlices(batches, ps.get_context_parallel_rank(),
+                                            ps.get_context_parallel_world_size(), family.context_parallel_split)
+        iterators.append(StepCounted(batches) if split == "train" else batches)
+    return tuple(iterators)
+
+
+datasets_provider.is_distributed = True  # every rank builds its own (the family's batches are rank-aware)
+
+
+def forward_step(data_iterator, model):
+    from mm_adaptor.train import families
+
+    return families.of(_args()).forward_step(data_iterator, model)
+
+
+class StepCounted:
+    """The training batches, with what the step read counted for the log line and the FLOP count (step_log)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __getattr__(self, name):
+        return getattr(self.batches, name)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        from mm_adaptor.train import step_log
+
+        batch = next(self.batches)
+        step_log.STEP.count(batch)
+        return batch

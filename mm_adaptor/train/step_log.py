@@ -1,0 +1,119 @@
+"""What the trainer adds to Megatron's iteration line, and the FLOPs it adds to Megatron's count.
+
+Each training step the batches read are counted on the ranks that hold distinct samples (tensor-, context-parallel
+rank 0 of the first pipeline stage): non-padding language tokens, samples, rows and, for a vision-language family,
+its vision tower's FLOPs. At the step's end one all-reduce makes them global (StepTotals). From them:
+- Megatron's num_floating_point_operations (hence --log-throughput's TFLOP/s) gains the vision tower's FLOPs;
+- --log-throughput's line gains the MFU against the device's peak (mm_adaptor.devices.peak_flops), naming it;
+- --log-tps adds MindSpeed-MM's tokens per sample, non-padding tokens per second and samples per second;
+- a mixture-of-experts model adds each MoE layer's expert-load spread (coefficient of variation of the tokens
+  each expert got over the logged steps) (mm_adaptor.train.expert_load)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+ITERATION_LINE = re.compile(r" iteration +(\d+)/ *\d+ \| consumed samples:")
+ELAPSED = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+) \|")
+THROUGHPUT = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([\d.]+) \|")
+
+
+@dataclass
+class StepTotals:
+    """Counted on this rank while the step reads its batches, made global at its end."""
+    tokens: int = 0
+    samples: int = 0
+    rows: int = 0
+    vision_flops: float = 0.0
+    counted_tokens: bool = False  # the batches counted their non-padding tokens (else: rows x seq length)
+    # since the last iteration line (Megatron logs every --log-interval steps)
+    interval_tokens: int = 0
+    interval_samples: int = 0
+    interval_steps: int = 0
+    last: dict = field(default_factory=dict)
+
+    def reset_step(self) -> None:
+        self.tokens = self.samples = self.rows = 0
+        self.vision_flops = 0.0
+
+    def count(self, batch: dict) -> None:
+        """One micro-batch as the forward step reads it."""
+        if not self._counts_here():
+            return
+        from mm_adaptor.train import flops
+
+        rows = _rows(batch)
+        self.rows += rows
+        self.vision_flops += flops.vision_flops_of_batch(batch)
+
+    @staticmethod
+    def _counts_here() -> bool:
+        from megatron.core import parallel_state as ps
+
+        return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+                and ps.get_pipeline_model_parallel_rank() == 0)
+
+    def finish_step(self, source, args, device) -> None:
+        """All-reduce this step's counts (every rank calls it once per step)."""
+        import torch
+        import torch.distributed as dist
+
+        here = self._counts_here()
+        tokens = getattr(source, "tokens_this_step", None)
+        self.counted_tokens = tokens is not None
+        if tokens is None:
+            tokens = self.rows * args.seq_length
+        local = torch.tensor([int(tokens) if here else 0, self.rows], dtype=torch.int64, device=device)
+        dist.all_reduce(local)  # integers: exact, and every collective library sums int64
+        vision = torch.tensor([self.vision_flops], dtype=torch.float32, device=device)
+        dist.all_reduce(vision)
+        self.tokens, self.rows = int(local[0]), int(local[1])
+        self.samples = args.global_batch_size
+        self.vision_flops = float(vision[0])
+        self.interval_tokens += self.tokens
+        self.interval_samples += self.samples
+        self.interval_steps += 1
+
+    def line_fields(self, line: str, args) -> str:
+        """The fields to append to Megatron's iteration line `line`."""
+        fields = []
+        elapsed = ELAPSED.search(line)
+        seconds = float(elapsed.group(1)) / 1000 if elapsed else None
+        steps = max(1, self.interval_steps)
+        if getattr(args, "log_tps", False) and seconds:
+            tokens, samples = self.interval_tokens / steps, self.interval_samples / steps
+            per_sample = tokens / samples if samples else 0.0
+            what = "" if self.counted_tokens else " (padded)"
+            fields += [f"tokens per sample: {per_sample:.1f}", f"tokens per second{what}: {tokens / seconds:.1f}",
+                       f"samples per second: {samples / seconds:.2f}"]
+            self.last.update(tokens_per_second=tokens / seconds, samples_per_second=samples / seconds)
+        throughput = THROUGHPUT.search(line)
+        if throughput:
+            from mm_adaptor.devices import peak_flops
+
+            peak = peak_flops.peak_for_run(args)
+            if peak is None:
+                fields.append(f"MFU: n/a ({peak_flops.no_peak_reason()})")
+            else:
+                mfu = float(throughput.group(1)) / peak.tflops
+                fields.append(f"MFU: {100 * mfu:.1f}% of {peak.describe()}")
+                self.last["mfu"] = mfu
+        from mm_adaptor.train import expert_load
+
+        spread = expert_load.LOADS.spread_field()
+        if spread:
+            fields.append(spread)
+        self.interval_tokens = self.interval_samples = self.interval_steps = 0
+        return "".join(f" {f} |" for f in fields)
+
+
+STEP = StepTotals()
+
+
+def _rows(batch: dict) -> int:
+    for name in ("tokens", "input_ids", "labels"):
+        tensor = batch.get(name)
+        if tensor is not None and hasattr(tensor, "shape"):
+            return int(tensor.shape[0])
+    return 0
