@@ -134,6 +134,19 @@ def _restore_adam_step_after_load(wrapped, instance, args, kwargs):
     return result
 
 
+def _torch_adam_step_not_in_shards(wrapped, instance, args, kwargs):
+    """With torch's Adam each parameter's optimizer state holds `step`, which the fully reshardable load leaves out
+    of the shards it hands over (the step comes from the param groups, _restore_adam_step_after_load); megatron
+    then looks it up among them."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    model_param, tensors = (list(args) + [None, None])[:2]
+    tensors = kwargs.get("tensors", tensors)
+    if not distrib_optimizer.HAVE_APEX_OR_TE and isinstance(tensors, dict) and "step" not in tensors:
+        return wrapped(kwargs.get("model_param", model_param), {**tensors, "step": None})
+    return wrapped(*args, **kwargs)
+
+
 def _without_autograd(wrapped, instance, args, kwargs):
     with torch.no_grad():
         return wrapped(*args, **kwargs)
@@ -189,11 +202,13 @@ def torch_adam_distributed_checkpoint_patches() -> PatchSet:
         "compat:torch-adam-distributed-checkpoint", needed_on=WITHOUT_TE + " (the wrappers act only without Apex too)",
         changes="DistributedOptimizer with torch's Adam: state_dict() before the first step reports step 0; "
                 "load_parameter_state_from_dp_reshardable runs under no_grad; after load_state_dict each "
-                "parameter's Adam step is the checkpoint's (param-group) step",
+                "parameter's Adam step is the checkpoint's (param-group) step; a fully reshardable load hands each "
+                "parameter's shards over without a step (megatron expects one per optimizer state tensor)",
         unpatched="--load of a --use-distributed-optimizer checkpoint into a fresh optimizer raises AssertionError "
                   "(distrib_optimizer.py: assert len(steps) == 1, no step yet); in fp32 the dp_reshardable load then "
                   "raises RuntimeError (in-place copy into a view of a leaf that requires grad); and a dp_reshardable "
-                  "load leaves Adam's step at the loading template's value instead of the checkpoint's")
+                  "load leaves Adam's step at the loading template's value instead of the checkpoint's; and "
+                  "--dist-ckpt-optim-fully-reshardable's load raises KeyError: 'step'")
     if _transformer_engine_serves(ps, "Transformer Engine is installed (its FusedAdam keeps step in the param groups)"):
         return ps
     base = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
@@ -201,6 +216,7 @@ def torch_adam_distributed_checkpoint_patches() -> PatchSet:
     # In fp32 the main params are views of the model params; megatron copies into them with autograd on.
     ps.wrap(f"{base}.load_parameter_state_from_dp_reshardable", _without_autograd, contract=_core())
     ps.wrap(f"{base}.load_state_dict", _restore_adam_step_after_load, contract=_core())
+    ps.wrap(f"{base}._set_main_param_and_optimizer_states", _torch_adam_step_not_in_shards, contract=_core())
     return ps
 
 

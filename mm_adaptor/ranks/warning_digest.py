@@ -16,7 +16,8 @@ VERBOSE_ENV = "MM_ADAPTOR_VERBOSE"
 
 # (pattern, why it is harmless): megatron saying what it falls back to, or torch deprecations inside its calls.
 KNOWN_HARMLESS = (
-    (re.compile(r"(Transformer Engine|Apex)( and Apex)? (is|are) not installed"),
+    (re.compile(r"(Transformer Engine|Apex)( and Apex)? (is|are) not installed|Only transformer-engine>=[\d.]+ "
+                r"supports MoE experts"),
      "without Transformer Engine/Apex megatron uses its torch implementations"),
     (re.compile(r"`torch\.distributed\.\w+` is deprecated"), "torch deprecations inside megatron's calls"),
     (re.compile(r"CPU RNG state changed within GPU RNG context"),
