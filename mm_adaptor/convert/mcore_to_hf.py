@@ -28,6 +28,16 @@ def checkpoint_path(mcore_dir: Path) -> Path:
     raise ConvertError(f"{mcore_dir}: no {MARKER} and no dist checkpoint (.metadata)")
 
 
+def _torch_format_problem(path: Path) -> str | None:
+    """Megatron's torch format (mp_rank_* directories, --ckpt-format torch) is not read here: the line that says
+    how Megatron converts it."""
+    if path.is_dir() and any(entry.name.startswith("mp_rank_") for entry in path.iterdir()):
+        return (f"{path} is in Megatron's torch format (--ckpt-format torch), which this converter does not read: "
+                "convert it to torch_dist with Megatron's own converter, e.g. mm-adaptor train <the run's "
+                "arguments> --load DIR --ckpt-convert-format torch_dist --ckpt-convert-save OUT, then convert OUT")
+    return None
+
+
 def plan(mcore_dir: Path, hf_config: Path | None, layout: str | None = None):
     """Every check before anything is written. Returns (family, reader, units in HF order, the transformers major
     whose fused experts layout to write or None); a unit is (first HF name, [(rule, layer)], bytes, fused name or
@@ -39,7 +49,11 @@ def plan(mcore_dir: Path, hf_config: Path | None, layout: str | None = None):
         family = checkpoint_family(read_config(config_path), layout, writing=True)
     except (KeyError, ValueError) as error:
         raise ConvertError(f"{config_path}: {error}") from None
-    reader = Reader(checkpoint_path(mcore_dir))
+    path = checkpoint_path(mcore_dir)
+    problem = _torch_format_problem(path)
+    if problem:
+        raise ConvertError(problem)
+    reader = Reader(path)
     stored = reader.tensors()
     expected = family.checkpoint_keys()
     # a training checkpoint may have optimizer state beside the model; only the model's keys must be known

@@ -109,6 +109,19 @@ def is_mm_checkpoint(path) -> bool:
     return directory.is_dir() and any(RANK_DIR.match(p.name) for p in directory.iterdir())
 
 
+def holds_their_names(path) -> bool:
+    """Whether a torch-layout checkpoint (is_mm_checkpoint) holds MindSpeed-MM's tensor names (mm-convert's, their
+    training saves) rather than this project's (a Megatron torch-format save of the trainer). Reads the first
+    shard's key names, memory-mapped."""
+    import torch
+
+    directory, _ = _iteration_dir(Path(path))
+    first = next(entry for entry in sorted(directory.iterdir()) if RANK_DIR.match(entry.name))
+    content = torch.load(first / WEIGHTS, map_location="cpu", mmap=True, weights_only=False)
+    state = content.get("model") or content.get("model0") or {}
+    return any(name.startswith(tuple(their for their, _ in RENAMES)) for name in state)
+
+
 class MMCheckpoint:
     """One MindSpeed-MM checkpoint, its files opened lazily (memory-mapped): the grid of shards, the layer counts of
     each pipeline piece, and whole tensors under our names with global layer numbers."""

@@ -40,7 +40,7 @@ LOADER_FIELDS = (
     ("dataloader_param", "pin_memory"), ("dataloader_param", "shuffle"), ("dataloader_param", "num_workers"),
     ("collate_param", "model_name"),
 )
-LOADER_NOTE = ("the driver builds its batches in the rank, draws a seeded permutation per epoch and keeps whole "
+LOADER_NOTE = ("the trainer builds its batches in the rank, draws a seeded permutation per epoch and keeps whole "
                "global batches")
 
 

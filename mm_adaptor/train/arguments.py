@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from pathlib import Path
 
 from mm_adaptor.core import features
 from mm_adaptor.core.one_line_parser import ArgumentParser
@@ -21,6 +22,9 @@ PROG = "mm-adaptor train"
 TRAINER_GROUP = "mm_adaptor trainer (not Megatron-LM's)"
 LAUNCH_GROUP = "mm_adaptor trainer: local ranks without torchrun (not Megatron-LM's)"
 
+# What prepare() says about the command (one line each; the ranks print them on rank 0). Not on Megatron's
+# arguments: it prints them all in its table and pickles them into every checkpoint.
+NOTES: list[str] = []
 # Megatron defaults the trainer needs to see given or not: None here, filled in by prepare().
 WATCHED_DEFAULTS = ("transformer_impl", "distributed_backend", "moe_aux_loss_coeff", "dataloader_type",
                     "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout")
@@ -134,12 +138,13 @@ def prepare(args: argparse.Namespace) -> argparse.Namespace:
     if getattr(args, "mm_adaptor_prepared", False):
         return args
     try:
-        args.notes = mindspeed_mm.apply_to_trainer(args)  # first: --distributed-backend may choose the device
+        NOTES[:] = mindspeed_mm.apply_to_trainer(args)  # first: --distributed-backend may choose the device
         vlm.read_hf_config(args)
         family = families.of(args)
     except ValueError as exc:
         raise UsageError(*str(exc).splitlines()) from None
     problems = _trainer_defaults(args) + family.problems_before_layout(args)
+    NOTES.extend(_converted_load(args))
     if not problems:
         problems += family.shape_megatron_args(args)
     if args.moe_aux_loss_coeff is None:
@@ -176,10 +181,20 @@ def _trainer_defaults(args) -> list[str]:
     return problems
 
 
+def _converted_load(args) -> list[str]:
+    """A --load written by `mm-adaptor convert hf-to-mcore` holds the model's weights alone: it starts the run as
+    Megatron's --finetune (weights loaded, iteration 0, a new optimizer). The note to print."""
+    from mm_adaptor.convert.mcore_io import INFO
+
+    if not args.load or not (Path(args.load) / INFO).is_file() or args.finetune:
+        return []
+    args.finetune = True
+    return [f"--load {args.load} is a converted checkpoint (weights only): it starts the run as --finetune does "
+            "(iteration 0, a new optimizer)"]
+
+
 def path_problems(args) -> list[str]:
     """--save must be writable (it is created); --load is Megatron's to read (a missing one starts afresh)."""
-    from pathlib import Path
-
     if not args.save:
         return []
     path = Path(args.save)

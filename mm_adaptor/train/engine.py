@@ -7,9 +7,11 @@ The trainer's own patch set attaches to Megatron's engine only where it has no w
 - get_model: the banner line, and the routers' hooks of the expert-load spread;
 - train_step: the step's counts (tokens, rows, vision FLOPs, expert loads) made global at its end, the step's
   packs announced before it (--packing), progress for the local launcher;
+- build_train_valid_test_data_iterators: a split without samples is not evaluated (Megatron would fail on it);
 - num_floating_point_operations: a vision-language family's vision FLOPs added (flops.py);
 - print_rank_last: the trainer's fields appended to Megatron's iteration line (step_log.py);
 - load_checkpoint: MindSpeed-MM's mm-convert layout loaded (weights only);
+- save_checkpoint: the family's side files (a vision-language model's hf/ directory) written beside a save;
 - _warmup_jit_function: skipped when the run turned off every fusion it compiles."""
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ def trainer_patch_set(handoff: dict | None = None) -> PatchSet:
     patches.wrap("megatron.training.arguments.parse_args", _prepared(handoff or {}), contract=_contract())
     patches.wrap(f"{TRAINING}.get_model", _built, contract=_contract())
     patches.wrap(f"{TRAINING}.train_step", _counted_step, contract=_contract())
+    patches.wrap(f"{TRAINING}.build_train_valid_test_data_iterators", _no_evaluation_without_samples,
+                 contract=_contract())
     patches.wrap(f"{TRAINING}.num_floating_point_operations", _flops, contract=_contract())
     patches.wrap(f"{TRAINING}.print_rank_last", _iteration_fields, contract=_contract())
     patches.wrap("megatron.training.checkpointing.load_checkpoint", _load_mm_checkpoint, contract=_contract())
+    patches.wrap("megatron.training.checkpointing.save_checkpoint", _with_side_files, contract=_contract())
     patches.wrap("megatron.training.initialize._warmup_jit_function", _warm_up_what_runs, contract=_contract())
     return patches
 
@@ -52,8 +57,10 @@ def _prepared(handoff: dict):
         if provider is not arguments.add_arguments:  # another reader of the command line (fault tolerance's)
             return parsed
         parsed = arguments.prepare(parsed)
-        for name, value in handoff.items():  # what the launching process already established (a data report)
-            setattr(parsed, name, value)
+        if "validated_data" in handoff:  # the launching process's validation pass of the data
+            from mm_adaptor.train import vlm_data
+
+            vlm_data.receive(handoff["validated_data"])
         return parsed
 
     return parse
@@ -73,7 +80,29 @@ def _built(wrapped, _instance, args, kwargs):
     frozen = providers.MEMORY.get("frozen_towers")
     print_rank_0(f"> mm_adaptor trainer: {family.model}{family.banner(megatron_args)}; features: "
                  f"{', '.join(applied_features()) or 'none'}" + (f"; frozen: {', '.join(frozen)}" if frozen else ""))
+    from mm_adaptor.train.arguments import NOTES
+
+    for note in NOTES:
+        print_rank_0(f"> mm_adaptor trainer: {note}")
     return model
+
+
+def _no_evaluation_without_samples(wrapped, _instance, args, kwargs):
+    """Megatron evaluates the validation and test splits whenever --eval-iters is above 0, also where a split has
+    no samples (--split 100,0,0, a small data set's 0.1% test share), and then fails on the missing iterator:
+    such a split is not evaluated, and a line says so."""
+    from megatron.training import get_args, print_rank_0
+
+    iterators = wrapped(*args, **kwargs)
+    megatron_args = get_args()
+    for name, iterator in zip(("valid", "test"), iterators[1:]):
+        empty = iterator is None or (isinstance(iterator, list) and any(i is None for i in iterator))
+        flag = f"do_{name}"
+        if empty and getattr(megatron_args, flag, False) and megatron_args.eval_iters:
+            setattr(megatron_args, flag, False)
+            print_rank_0(f"> mm_adaptor trainer: the {'validation' if name == 'valid' else 'test'} split has no "
+                         f"samples (--split {megatron_args.split}): it is not evaluated")
+    return iterators
 
 
 def _warm_up_what_runs(wrapped, _instance, args, kwargs):
@@ -144,12 +173,12 @@ def _load_mm_checkpoint(wrapped, _instance, args, kwargs):
     names) loads its weights through mm_adaptor.convert.mindspeed_mm, as a fine-tuning start."""
     from megatron.training import get_args
 
-    from mm_adaptor.convert.mindspeed_mm import is_mm_checkpoint, load_mm_checkpoint
+    from mm_adaptor.convert.mindspeed_mm import holds_their_names, is_mm_checkpoint, load_mm_checkpoint
 
     megatron_args = get_args()
     load_dir = kwargs.get("load_arg") and getattr(megatron_args, kwargs["load_arg"], None) or megatron_args.load
-    if not load_dir or not is_mm_checkpoint(load_dir):
-        return wrapped(*args, **kwargs)
+    if not load_dir or not is_mm_checkpoint(load_dir) or not holds_their_names(load_dir):
+        return wrapped(*args, **kwargs)  # Megatron's own (a torch-format save of this trainer among them)
     from mm_adaptor.core.wrapped import unwrap
 
     model, optimizer = (list(args) + [None, None])[:2]
@@ -159,7 +188,25 @@ def _load_mm_checkpoint(wrapped, _instance, args, kwargs):
     iteration = load_mm_checkpoint(load_dir, [unwrap(chunk) for chunk in chunks], {})
     if optimizer is not None:
         optimizer.reload_model_params()
+    from megatron.training import print_rank_0
+
+    print_rank_0(f"> mm_adaptor trainer: loaded MindSpeed-MM's checkpoint {load_dir} (iteration {iteration}): its "
+                 "weights, no optimizer state")
     return (0 if megatron_args.finetune else iteration), 0
+
+
+def _with_side_files(wrapped, _instance, args, kwargs):
+    """Megatron's save_checkpoint, then the family's side files beside it (a vision-language model's hf/: its
+    config and tokenizer, which --load and `mm-adaptor convert mcore-to-hf` read)."""
+    from megatron.training import get_args
+
+    from mm_adaptor.train import families
+
+    result = wrapped(*args, **kwargs)
+    megatron_args = get_args()
+    if megatron_args.save:
+        families.of(megatron_args).save_side_files(megatron_args)
+    return result
 
 
 def run_rank(argv: list[str], handoff: dict | None = None) -> None:

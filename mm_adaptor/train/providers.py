@@ -20,8 +20,6 @@ RUNTIME_FIELDS = (
     "gradient_accumulation_fusion", "recompute_granularity", "recompute_method", "recompute_num_layers",
     "distribute_saved_activations", "init_method_std", "bias_activation_fusion", "bias_dropout_fusion",
     "masked_softmax_fusion", "persist_layer_norm", "attention_softmax_in_fp32",
-    "barrier_with_L1_time", "timers", "finalize_model_grads_func", "no_sync_func", "grad_sync_func",
-    "param_sync_func", "grad_scale_func",
 )
 
 
@@ -55,13 +53,14 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 
     args = _args()
     family = families.of(args)
-    transformer_config = None
     if family.builds_from_transformer_config:
         transformer_config = config if config is not None else core_transformer_config_from_args(args)
-    else:
-        args.transformer_runtime = runtime_fields(args)
-    return family.chunk(args, transformer_config, pre_process=pre_process, post_process=post_process,
-                        vp_stage=vp_stage, memory=MEMORY)
+        return family.chunk(args, transformer_config, pre_process=pre_process, post_process=post_process,
+                            vp_stage=vp_stage, memory=MEMORY)
+    # the training settings ride on a copy: Megatron pickles its arguments into every checkpoint
+    view = argparse.Namespace(**vars(args), transformer_runtime=runtime_fields(args))
+    return family.chunk(view, None, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                        memory=MEMORY)
 
 
 def _split_args(args, split: str) -> argparse.Namespace:
@@ -102,6 +101,9 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         view.data_split = split
         start_iteration = consumed[split] // view.global_batch_size
         batches = family.batches(view, ps.get_data_parallel_rank(), start_iteration, device, [None])[0]
+        if batches is None:  # the split has no samples
+            iterators.append(None)
+            continue
         if ps.get_context_parallel_world_size() > 1:
             batches = ContextParallelSlices(batches, ps.get_context_parallel_rank(),
                                             ps.get_context_parallel_world_size(), family.context_parallel_split)

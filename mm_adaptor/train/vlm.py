@@ -294,6 +294,8 @@ class VisionLanguage(Gpt):
         return model
 
     def batches(self, args, dp_rank: int, start_iteration: int, device, chunks) -> list:
+        if not vlm_data.has_records(args):
+            return [None]  # an empty split (--split 100,0,0): no evaluation on it
         kind = vlm_data.DatasetBatches if vlm_data.records_path(args) else vlm_data.SyntheticBatches
         source = kind(args, self.model_config(args), dp_rank, start_iteration, device)
         if getattr(args, "packing", False):

@@ -148,6 +148,18 @@ def records_path(args, split: str = "train") -> str | None:
     return args.data_path[0] if args.data_path else None
 
 
+def has_records(args) -> bool:
+    """Whether the split being built (args.data_split) has samples: synthetic data always does; records do unless
+    --split gives the split none, or Megatron's per-split paths name no file for it."""
+    split = getattr(args, "data_split", "train")
+    if not records_path(args, "train"):
+        return True
+    report = _validated(args, split)
+    if report is not None:
+        return bool(report.samples)
+    return records_path(args, split) is not None
+
+
 def record_split_problems(args) -> list[str]:
     """What the trainer cannot read of Megatron's data arguments for records (one line each)."""
     lists = [("--data-path", args.data_path)] + [(f"--{s}-data-path", getattr(args, f"{s}_data_path", None))
@@ -182,8 +194,18 @@ def _split_report(report, fractions, split: str):
     return replace(report, samples=report.samples[bounds[index]:bounds[index + 1]])
 
 
+# The trainer's ranks: the launching process's validation pass, per split (receive); kept off Megatron's
+# arguments, which its checkpoints pickle.
+RECEIVED: dict = {}
+
+
+def receive(reports: dict) -> None:
+    RECEIVED.clear()
+    RECEIVED.update(reports)
+
+
 def _validated(args, split: str):
-    reports = getattr(args, "validated_data", None)
+    reports = getattr(args, "validated_data", None) or RECEIVED or None  # the runner's, or the trainer's
     return reports.get(split) if isinstance(reports, dict) else reports
 
 

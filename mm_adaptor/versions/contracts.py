@@ -57,8 +57,10 @@ SIGNATURE_ONLY = frozenset({
     "megatron.training.training.get_model",
     "megatron.training.training.train_step",
     "megatron.training.training.num_floating_point_operations",
+    "megatron.training.training.build_train_valid_test_data_iterators",
     "megatron.training.training.print_rank_last",
     "megatron.training.checkpointing.load_checkpoint",
+    "megatron.training.checkpointing.save_checkpoint",
     "megatron.training.initialize._warmup_jit_function",
 })
 

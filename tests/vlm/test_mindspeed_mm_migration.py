@@ -1,9 +1,10 @@
 """Issue 42's migration test: MindSpeed-MM's Qwen2.5-VL 7B fine-tuning command, with only sizes and paths changed
 and `pretrain_vlm.py ... nccl` replaced by `-m mm_adaptor.train ... gloo`, runs on 2 CPU ranks under torchrun from
 a tiny model.json and data.json in their schema (written here) and a checkpoint of a seeded tiny transformers
-Qwen2.5-VL, at TP1 PP2 with the vision encoder frozen by the model.json: the loss falls by at least 20% in 20
-iterations on the shapes captions (they depend on the picture), --log-tps prints tokens per sample, the vision
-encoder's weights are saved unchanged. The refusals: a math-changing argument, a model.json that contradicts the
+Qwen2.5-VL, at TP1 PP2 with the vision encoder frozen by the model.json, on Megatron-LM's training loop: the loss
+falls by at least 20% in 20 iterations on the shapes captions (they depend on the picture), --log-tps prints tokens
+per sample, the vision encoder's weights are saved unchanged (their --ckpt-format torch save, converted to
+torch_dist by Megatron's own converter, then to HF). The refusals: a math-changing argument, a model.json that contradicts the
 checkpoint, a data.json whose dataset file is missing (one line, status 2, before any rank starts)."""
 
 import json
@@ -162,17 +163,23 @@ def test_the_7b_script_trains_the_mm_checkpoint_on_two_cpu_ranks(migration):
     # the notes: one line per argument without effect, on rank 0 only
     assert result.stdout.count("--mm-tool: no effect here") == 1, result.stdout[:2000]
     assert "holds no tokenizer.json: the built-in byte tokenizer is used" in result.stdout
-    assert result.stdout.count("no effect here (the driver builds its batches in the rank") == 1  # data.json's
-    # the layout the model.json asked for, the checkpoint loaded, the vision encoder frozen by the model.json
-    assert "TP1+PP2+DP1+dist-opt+bf16" in result.stdout, result.stdout[-3000:]
-    assert f"loaded checkpoint from {load} at iteration 0" in result.stdout
+    assert result.stdout.count("no effect here (the trainer builds its batches in the rank") == 1  # data.json's
+    # Megatron's loop, in the layout the model.json asked for, the checkpoint loaded, the vision encoder frozen
+    assert "tensor-model-parallel size: 1, pipeline-model-parallel size: 2" in result.stdout, result.stdout[:3000]
+    assert f"loaded MindSpeed-MM's checkpoint {load} (iteration 0)" in result.stdout
     assert "frozen: vision_model" in result.stdout
-    # what training saved converts to HF: the frozen vision encoder as loaded (in bf16), the language model trained
+    # their --ckpt-format torch is Megatron's: the save is in its torch format, which Megatron's own converter (run
+    # through the trainer) turns into torch_dist, and that converts to HF: the frozen vision encoder as loaded (in
+    # bf16), the language model trained
+    convert_command = seven_b_command(free_port(), "model_tiny.json", "data_tiny.json", "save", "converted")
+    converted = _run([*convert_command, "--ckpt-convert-format", "torch_dist", "--ckpt-convert-save", "converted"],
+                     root, 300)
+    assert converted.returncode == 0, converted.stderr[-3000:]
     import torch
 
     from mm_adaptor.convert.mcore_to_hf import convert
 
-    convert(root / "save", root / "hf_trained")
+    convert(root / "converted" / "torch_dist", root / "hf_trained")
     trained = _safetensors(root / "hf_trained")
     assert trained.keys() == tensors.keys()
     changed = {name for name, tensor in trained.items()
@@ -183,15 +190,14 @@ def test_the_7b_script_trains_the_mm_checkpoint_on_two_cpu_ranks(migration):
 
 def _refused(capsys, monkeypatch, root, command, *words):
     """The command without torchrun, in this process: the refusal comes from parsing, before any rank."""
-    from mm_adaptor.harness.runner import main
+    from mm_adaptor.train import main
 
     monkeypatch.chdir(root)
     monkeypatch.setenv("MM_ADAPTOR_DEVICE", "cpu")  # what --distributed-backend gloo sets, undone after the test
-    with pytest.raises(SystemExit) as exited:
-        main(command[command.index("mm_adaptor.train") + 1:])
+    status = main(command[command.index("mm_adaptor.train") + 1:])
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
-    assert exited.value.code == 2, err
+    assert status == 2, err
     assert len(lines) == 1 and all(w in lines[0] for w in words), lines
     assert "iteration" not in out  # no rank trained
 
