@@ -141,6 +141,7 @@ class PackedBatches:
         self.args, self.dp_rank, self.device, self.sample = args, dp_rank, device, sample
         self.source_indices = step_indices
         self.iteration = start_iteration
+        self.start_iteration = start_iteration
         self.queue: list[dict] = []
         self.microbatches_this_step = 0
         self.tokens_this_step = 0  # non-padding tokens this rank packs in the current step
@@ -151,6 +152,11 @@ class PackedBatches:
         a = self.args
         dp = a.data_parallel_size
         return [iteration * a.global_batch_size + m * dp + self.dp_rank for m in range(a.global_batch_size // dp)]
+
+    def seek(self, position: int) -> None:
+        """Next: the `position`-th step from the start (a data loader worker's share of whole steps)."""
+        self.iteration = self.start_iteration + position
+        self.queue = []
 
     def start_step(self) -> None:
         indices = (self.source_indices or self.step_indices)(self.iteration)

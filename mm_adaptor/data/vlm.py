@@ -220,7 +220,13 @@ class BatchIterator:
         self.pixels = (image_min_pixels, image_max_pixels)
         self.processing = processing
         self.seed, self.iteration, self._micro = seed, start_iteration, 0
+        self.start_iteration = start_iteration
         self.pad_id = tokenizer.special_ids["<|endoftext|>"]
+
+    def seek(self, position: int) -> None:
+        """Next: this rank's `position`-th micro-batch from start_iteration on."""
+        self.iteration, self._micro = divmod(position, self.num_microbatches)
+        self.iteration += self.start_iteration
 
     def __iter__(self):
         return self

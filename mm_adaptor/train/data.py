@@ -39,6 +39,12 @@ class MockBatches:
         self.dp_rank = dp_rank
         self.iteration = start_iteration
         self.microbatch = 0
+        self.start_iteration = start_iteration
+
+    def seek(self, position: int) -> None:
+        """Next: this rank's `position`-th micro-batch from the start (a data loader worker's share)."""
+        self.iteration, self.microbatch = divmod(position, self.args.num_microbatches)
+        self.iteration += self.start_iteration
 
     def sample(self, global_index: int):
         torch = self.torch
@@ -117,7 +123,7 @@ class ContextParallelSlices:
     def __init__(self, batches, cp_rank: int, cp_size: int, split: tuple[str, ...]):
         self.batches, self.cp_rank, self.cp_size, self.split = batches, cp_rank, cp_size, split
 
-    def __getattr__(self, name):  # start_step, microbatches_this_step, ... of the wrapped iterator
+    def __getattr__(self, name):  # start_step, microbatches_this_step, seek, ... of the wrapped iterator
         return getattr(self.batches, name)
 
     def __iter__(self):

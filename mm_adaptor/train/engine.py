@@ -57,6 +57,8 @@ def _prepared(handoff: dict):
         if provider is not arguments.add_arguments:  # another reader of the command line (fault tolerance's)
             return parsed
         parsed = arguments.prepare(parsed)
+        if getattr(parsed, "packing", False):  # before the features, so one wrapping attention sees packs reach it
+            _apply_packed_attention()
         if "validated_data" in handoff:  # the launching process's validation pass of the data
             from mm_adaptor.train import vlm_data
 
@@ -64,6 +66,20 @@ def _prepared(handoff: dict):
         return parsed
 
     return parse
+
+
+_PACKED_ATTENTION: list = []
+
+
+def _apply_packed_attention() -> None:
+    """--packing: the local spec's core attention takes megatron's PackedSeqParams (kept applied for the rank)."""
+    if _PACKED_ATTENTION:
+        return
+    from mm_adaptor.patches.transformer.packed_attention import patch_set
+
+    patches = patch_set()
+    patches.apply()
+    _PACKED_ATTENTION.append(patches)
 
 
 def _built(wrapped, _instance, args, kwargs):
@@ -138,11 +154,32 @@ def _counted_step(wrapped, _instance, args, kwargs):
     step_log.STEP.reset_step()
     for source in sources:
         getattr(source, "start_step", lambda: None)()
+    packs = getattr(sources[0], "microbatches_this_step", None) if sources else None
+    if packs:  # --packing: this rank's step is as many micro-batches as its samples made packs
+        args, kwargs = _with_microbatches(args, kwargs, packs)
     result = wrapped(*args, **kwargs)
     device = devices.current().torch_device()
     step_log.STEP.finish_step(sources[0] if sources else None, megatron_args, device)
     expert_load.LOADS.finish_step(device)
     return result
+
+
+FORWARD_BACKWARD_INDEX = 6  # train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, fb)
+
+
+def _with_microbatches(args, kwargs, count: int):
+    """train_step's arguments with its forward_backward_func running `count` micro-batches."""
+    original = kwargs.get("forward_backward_func", args[FORWARD_BACKWARD_INDEX] if len(args) > 6 else None)
+
+    def forward_backward(*fb_args, **fb_kwargs):
+        fb_kwargs["num_microbatches"] = count
+        return original(*fb_args, **fb_kwargs)
+
+    if "forward_backward_func" in kwargs:
+        return args, {**kwargs, "forward_backward_func": forward_backward}
+    args = list(args)
+    args[FORWARD_BACKWARD_INDEX] = forward_backward
+    return tuple(args), kwargs
 
 
 def _flops(wrapped, _instance, args, kwargs):

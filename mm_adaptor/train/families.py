@@ -109,7 +109,11 @@ class Gpt:
 
     def trainer_problems(self, args) -> list[str]:
         """What the family cannot run under the trainer, once Megatron validated the arguments (one line each)."""
-        return self.problems(args)
+        found = self.problems(args)
+        if getattr(args, "packing", False) and not args.calculate_per_token_loss:
+            found.append("--packing gives each data-parallel rank its own number of packs, each of its own token "
+                         "count: add --calculate-per-token-loss (Megatron's default averages per micro-batch)")
+        return found
 
     def layers_per_stage(self, args) -> int:
         return args.num_layers // args.pipeline_model_parallel_size

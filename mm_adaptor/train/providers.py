@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 
 # What the family's builders record while building (frozen towers, hybrid layer kinds): the banner reads it.
 MEMORY: dict = {}
@@ -70,6 +71,7 @@ def _split_args(args, split: str) -> argparse.Namespace:
     if index == 0:
         return args
     view = argparse.Namespace(**vars(args))
+    view.packing = False  # evaluation reads whole samples, padded: the same per-token loss, fixed micro-batches
     view.seed = args.seed + SPLIT_SEED_STRIDE * index
     view.global_batch_size = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
     view.micro_batch_size = getattr(args, "eval_micro_batch_size", None) or args.micro_batch_size
@@ -84,7 +86,6 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 
     from mm_adaptor import devices
     from mm_adaptor.train import families
-    from mm_adaptor.train.data import ContextParallelSlices
 
     args = _args()
     family = families.of(args)
@@ -100,15 +101,37 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         view.num_microbatches = view.global_batch_size // (view.micro_batch_size * view.data_parallel_size)
         view.data_split = split
         start_iteration = consumed[split] // view.global_batch_size
-        batches = family.batches(view, ps.get_data_parallel_rank(), start_iteration, device, [None])[0]
+        batches = _source(family, view, start_iteration, device)
         if batches is None:  # the split has no samples
             iterators.append(None)
             continue
-        if ps.get_context_parallel_world_size() > 1:
-            batches = ContextParallelSlices(batches, ps.get_context_parallel_rank(),
-                                            ps.get_context_parallel_world_size(), family.context_parallel_split)
+        if split == "train" and args.num_workers > 0:  # made in loader workers (on the host), in the same order
+            from mm_adaptor.train.loader import WorkerBatches
+
+            batches = WorkerBatches(functools.partial(_source, family, view, start_iteration, torch_cpu()), device,
+                                    args.num_workers, packed=getattr(view, "packing", False),
+                                    counts_tokens=hasattr(batches, "tokens_this_step"))
         iterators.append(StepCounted(batches) if split == "train" else batches)
     return tuple(iterators)
+
+
+def torch_cpu():
+    import torch
+
+    return torch.device("cpu")
+
+
+def _source(family, view, start_iteration: int, device):
+    """This rank's batches of the split `view` names, from `start_iteration` on, on `device` (None: no samples)."""
+    from megatron.core import parallel_state as ps
+
+    from mm_adaptor.train.data import ContextParallelSlices
+
+    batches = family.batches(view, ps.get_data_parallel_rank(), start_iteration, device, [None])[0]
+    if batches is not None and ps.get_context_parallel_world_size() > 1:
+        batches = ContextParallelSlices(batches, ps.get_context_parallel_rank(), ps.get_context_parallel_world_size(),
+                                        family.context_parallel_split)
+    return batches
 
 
 datasets_provider.is_distributed = True  # every rank builds its own (the family's batches are rank-aware)

@@ -231,9 +231,6 @@ class VisionLanguage(Gpt):
                 setattr(args, name, 0.0)  # the family's (its released checkpoints train without dropout)
         return problems
 
-    def trainer_problems(self, args) -> list[str]:
-        return self.problems(args)
-
     def problems(self, args) -> list[str]:
         from mm_adaptor.data.packing import problems as packing_problems
 

@@ -11,7 +11,13 @@ class _Batches:
     def __init__(self, args, config, dp_rank: int, start_iteration: int, device):
         self.args, self.config, self.dp_rank, self.device = args, config, dp_rank, device
         self.iteration, self.microbatch = start_iteration, 0
+        self.start_iteration = start_iteration
         self.tokens_this_step = 0  # non-padding language tokens this rank read in the current step
+
+    def seek(self, position: int) -> None:
+        """Next: this rank's `position`-th micro-batch from the start (a data loader worker's share)."""
+        self.iteration, self.microbatch = divmod(position, self.args.num_microbatches)
+        self.iteration += self.start_iteration
 
     def __iter__(self):
         return self
@@ -123,6 +129,9 @@ class DatasetBatches:
 
     def start_step(self) -> None:
         self.tokens_this_step = 0
+
+    def seek(self, position: int) -> None:
+        self.batches.seek(position)
 
     def packed_sample(self, position: int) -> dict:
         return self.batches.packed_sample(position)
