@@ -27,7 +27,12 @@ LAUNCH_GROUP = "mm_adaptor trainer: local ranks without torchrun (not Megatron-L
 NOTES: list[str] = []
 # Megatron defaults the trainer needs to see given or not: None here, filled in by prepare().
 WATCHED_DEFAULTS = ("transformer_impl", "distributed_backend", "moe_aux_loss_coeff", "dataloader_type",
-                    "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout")
+                    "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout", "moe_token_dispatcher_type",
+                    "moe_router_load_balancing_type")
+# Megatron's MoE arguments (and their parser defaults): refused, given to a model without experts
+MOE_ARGUMENTS = {"moe_aux_loss_coeff": 0.0, "moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": False,
+                 "moe_router_load_balancing_type": "aux_loss", "moe_z_loss_coeff": None,
+                 "moe_router_enable_expert_bias": False}
 
 
 class UsageError(ValueError):
@@ -147,8 +152,7 @@ def prepare(args: argparse.Namespace) -> argparse.Namespace:
     NOTES.extend(_converted_load(args))
     if not problems:
         problems += family.shape_megatron_args(args)
-    if args.moe_aux_loss_coeff is None:
-        args.moe_aux_loss_coeff = 0.0  # Megatron-LM's default, where the family's checkpoint names none
+    problems += _moe_problems(args)
     if problems:
         raise UsageError(*problems)
     args.mm_adaptor_prepared = True
@@ -179,6 +183,19 @@ def _trainer_defaults(args) -> list[str]:
     if args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer"
     return problems
+
+
+def _moe_problems(args) -> list[str]:
+    """MoE arguments given to a model without experts are refused; the unset ones get Megatron's defaults (the
+    aux-loss coefficient: the checkpoint's router_aux_loss_coef where the family read one)."""
+    given = [name for name, default in MOE_ARGUMENTS.items() if getattr(args, name) not in (None, default)]
+    for name, default in MOE_ARGUMENTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.num_experts or not given:
+        return []
+    return [f"{', '.join(_flag(name) for name in given)}: the model has no experts (no --num-experts, and its "
+            "checkpoint has none): drop them"]
 
 
 def _converted_load(args) -> list[str]:

@@ -15,11 +15,12 @@ SPLIT_SEED_STRIDE = 7919
 
 # TransformerConfig fields a vision-language family takes from Megatron's arguments (its architecture comes from
 # its own config): how it trains, not what it is. Not rope fusion: megatron's fused rope has no multimodal (mrope)
-# path in the [s, b, h, d] layout, so the families keep their own rope.
+# path in the [s, b, h, d] layout, so the families keep their own rope. Not bias-activation fusion: it covers GeLU
+# and SwiGLU, and the vision towers' activations are others (gelu tanh, quick GeLU), so every tower keeps its own.
 RUNTIME_FIELDS = (
     "calculate_per_token_loss", "deallocate_pipeline_outputs", "batch_p2p_comm", "overlap_p2p_comm",
     "gradient_accumulation_fusion", "recompute_granularity", "recompute_method", "recompute_num_layers",
-    "distribute_saved_activations", "init_method_std", "bias_activation_fusion", "bias_dropout_fusion",
+    "distribute_saved_activations", "init_method_std", "bias_dropout_fusion",
     "masked_softmax_fusion", "persist_layer_norm", "attention_softmax_in_fp32",
 )
 
@@ -28,6 +29,25 @@ def _args():
     from megatron.training import get_args
 
     return get_args()
+
+
+# The MoE layers' training settings (a family with experts takes them into its MoE language layers alone).
+MOE_RUNTIME_FIELDS = (
+    "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+    "moe_z_loss_coeff", "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_per_layer_logging",
+    "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "moe_token_drop_policy", "moe_permute_fusion",
+    "moe_router_dtype", "moe_input_jitter_eps",
+)
+
+
+def moe_runtime_fields(args) -> dict:
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    if not args.num_experts:
+        return {}
+    config = core_transformer_config_from_args(args)
+    names = {f.name for f in dataclasses.fields(config)}
+    return {name: getattr(config, name) for name in MOE_RUNTIME_FIELDS if name in names}
 
 
 def runtime_fields(args) -> dict:
@@ -59,7 +79,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         return family.chunk(args, transformer_config, pre_process=pre_process, post_process=post_process,
                             vp_stage=vp_stage, memory=MEMORY)
     # the training settings ride on a copy: Megatron pickles its arguments into every checkpoint
-    view = argparse.Namespace(**vars(args), transformer_runtime=runtime_fields(args))
+    view = argparse.Namespace(**vars(args), transformer_runtime=runtime_fields(args),
+                              moe_runtime=moe_runtime_fields(args))
     return family.chunk(view, None, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
                         memory=MEMORY)
 

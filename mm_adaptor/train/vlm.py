@@ -161,6 +161,9 @@ class VisionLanguage(Gpt):
         for name in ("expert_model_parallel_size", "context_parallel_size"):
             if any(f.name == name for f in dataclasses.fields(config)):
                 config = dataclasses.replace(config, **{name: getattr(args, name, 1)})
+        moe = getattr(args, "moe_runtime", None)  # the trainer's: Megatron's MoE arguments
+        if moe and any(f.name == "moe_extra" for f in dataclasses.fields(config)):
+            config = dataclasses.replace(config, moe_extra=moe)
         return config
 
     def shape_args(self, args) -> list[str]:
@@ -214,6 +217,8 @@ class VisionLanguage(Gpt):
         if problems:
             return problems
         c = self.model_config(argparse.Namespace(**{**vars(args), "pipeline_layers": None}))
+        if getattr(c, "num_experts", None) and args.moe_aux_loss_coeff is None:
+            args.moe_aux_loss_coeff = c.moe_aux_loss_coeff  # the checkpoint's router_aux_loss_coef
         args.add_bias_linear, args.swiglu = False, True
         args.group_query_attention = c.num_query_groups != c.num_attention_heads
         args.kv_channels = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads

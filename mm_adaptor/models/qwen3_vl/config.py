@@ -66,6 +66,7 @@ class Qwen3VLConfig:
     params_dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
     transformer_impl: str = "local"  # "local" | "transformer_engine"
     extra: dict = field(default_factory=dict)  # further TransformerConfig fields for every tower
+    moe_extra: dict = field(default_factory=dict)  # further TransformerConfig fields of the MoE language layers
 
     @property
     def patch_dim(self) -> int:
@@ -170,6 +171,7 @@ def config_from_hf(hf_config: dict, **overrides) -> Qwen3VLConfig:
         num_experts=experts,
         num_experts_per_tok=text.get("num_experts_per_tok", 0) if moe else 0,
         moe_intermediate_size=text.get("moe_intermediate_size", 0) if moe else 0,
+        moe_aux_loss_coeff=float(text.get("router_aux_loss_coef", 0.0) or 0.0) if moe else 0.0,
         decoder_sparse_step=text.get("decoder_sparse_step", 1) if moe else 1,
         mlp_only_layers=tuple(text.get("mlp_only_layers") or ()) if moe else (),
         norm_topk_prob=bool(text.get("norm_topk_prob", True)),
@@ -186,7 +188,7 @@ def config_from_hf(hf_config: dict, **overrides) -> Qwen3VLConfig:
 def tiny_config(moe: bool = False, **overrides) -> Qwen3VLConfig:
     """A few-MB model for tests and --model qwen3_vl[_moe]-tiny: 3 vision layers (DeepStack after the first two),
     GQA language model with 4 layers whose head_dim (32) is not hidden / heads (16), untied output layer; MoE: 4
-    experts top-2, layer 2 a dense MLP."""
+    experts top-2, layer 2 a dense MLP, router aux-loss coefficient 0.001 (transformers' default)."""
     config = Qwen3VLConfig(
         vision_depth=3, vision_hidden_size=64, vision_ffn_hidden_size=96, vision_num_heads=4,
         num_position_embeddings=64, deepstack_visual_indexes=(0, 1), vision_rope_theta=10000.0,
@@ -197,7 +199,8 @@ def tiny_config(moe: bool = False, **overrides) -> Qwen3VLConfig:
     )
     if moe:
         config = dataclasses.replace(config, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                                     decoder_sparse_step=1, mlp_only_layers=(2,))
+                                     decoder_sparse_step=1, mlp_only_layers=(2,),
+                                     moe_aux_loss_coeff=0.001)  # transformers' default router_aux_loss_coef
     return validate(dataclasses.replace(config, **overrides))
 
 
@@ -216,7 +219,8 @@ def tiny_hf_config_dict(config: Qwen3VLConfig | None = None) -> dict:
     if c.is_moe:
         text.update(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
                     moe_intermediate_size=c.moe_intermediate_size, decoder_sparse_step=c.decoder_sparse_step,
-                    mlp_only_layers=list(c.mlp_only_layers), norm_topk_prob=c.norm_topk_prob)
+                    mlp_only_layers=list(c.mlp_only_layers), norm_topk_prob=c.norm_topk_prob,
+                    router_aux_loss_coef=c.moe_aux_loss_coeff)
     return {
         "model_type": c.model_type, "tie_word_embeddings": c.tie_word_embeddings,
         "image_token_id": c.image_token_id, "video_token_id": c.video_token_id,
@@ -283,6 +287,7 @@ def language_transformer_config(c: Qwen3VLConfig):
         )
         if c.expert_tensor_parallel_size is not None:
             kwargs["expert_tensor_parallel_size"] = c.expert_tensor_parallel_size
+        kwargs.update(c.moe_extra)  # the trainer's: Megatron's MoE arguments (dispatcher, grouped GEMM, balancing)
     return TransformerConfig(
         num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
         num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups, kv_channels=c.head_dim,
