@@ -122,7 +122,7 @@ def main(argv=None) -> int:
         except KeyboardInterrupt:  # Ctrl-C while no rank ran
             print(f"mm-adaptor {command}: interrupted (SIGINT)", file=sys.stderr)
             return 130
-        if status < 128:  # not after the one line of an interruption
+        if status < 128 and status != 2:  # not after the one line of an interruption or a refusal
             PRINTER.close()  # the count of known-harmless warnings the ranks gave, in one line
         return status
     if command.startswith("-"):

@@ -100,7 +100,7 @@ def check_main(argv: list[str]) -> int:
 
 # Flags that set a parallel size: given without --layout, they are the layout.
 LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size",
-                "--num-layers-per-virtual-pipeline-stage")
+                "--context-parallel-size", "--num-layers-per-virtual-pipeline-stage")
 
 
 def _layout_flags_given(argv: list[str]) -> bool:
@@ -108,9 +108,10 @@ def _layout_flags_given(argv: list[str]) -> bool:
 
 
 def _ranks_needed(train_args) -> int:
-    """The fewest ranks the user's parallel sizes fit: TP x PP, and expert TP (= TP) x EP x PP."""
+    """The fewest ranks the user's parallel sizes fit: TP x CP x PP, and expert TP (= TP) x EP x PP."""
     tp, pp = train_args.tensor_model_parallel_size, train_args.pipeline_model_parallel_size
-    return max(1, math.lcm(tp * pp, tp * train_args.expert_model_parallel_size * pp))
+    cp = getattr(train_args, "context_parallel_size", 1) or 1
+    return max(1, math.lcm(tp * cp * pp, tp * train_args.expert_model_parallel_size * pp))
 
 
 def _default_check_layout() -> str:

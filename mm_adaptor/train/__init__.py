@@ -30,8 +30,34 @@ def _fail(problems) -> int:
 
 def check(argv: list[str], *, under_torchrun: bool):
     """Parse, prepare and validate the command line as the ranks will (Megatron's parser and validation, the
-    features', the family's, the data's), quietly. Returns (args, what the ranks are handed); raises UsageError.
-    A bad flag or value exits 2 from the parser (one line)."""
+    features', the family's, the data's), quietly: library notices of the imports are the ranks' to report (they
+    replay them). Returns (args, what the ranks are handed); raises UsageError. A bad flag or value exits 2 from
+    the parser (one line)."""
+    with _library_notices_silenced():
+        return _check(argv, under_torchrun)
+
+
+@contextlib.contextmanager
+def _library_notices_silenced():
+    import logging
+    import warnings
+
+    from mm_adaptor.ranks.warning_digest import TORCH_CPP_EXTENSION_LOGGER
+
+    loggers = [logging.getLogger(), logging.getLogger(TORCH_CPP_EXTENSION_LOGGER)]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
+
+
+def _check(argv: list[str], under_torchrun: bool):
     from megatron.training import arguments as megatron_arguments
 
     from mm_adaptor.core import features
@@ -53,7 +79,7 @@ def check(argv: list[str], *, under_torchrun: bool):
     except features.FeatureConfigError as exc:
         raise UsageError(*str(exc).splitlines()) from None
     family = families.of(args)
-    problems = family.trainer_problems(args) + arguments.path_problems(args)
+    problems = family.trainer_problems(args) + arguments.path_problems(args) + arguments.resume_problems(args)
     if problems:
         raise UsageError(*problems)
     problems = family.data_problems(args)

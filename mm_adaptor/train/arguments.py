@@ -210,6 +210,40 @@ def _converted_load(args) -> list[str]:
             "(iteration 0, a new optimizer)"]
 
 
+def saved_arguments(load: str):
+    """The arguments a Megatron torch_dist save under `load` was trained with (its marker's iteration), or None."""
+    marker = Path(load) / "latest_checkpointed_iteration.txt"
+    if not marker.is_file() or not marker.read_text().strip().isdigit():
+        return None
+    directory = Path(load) / f"iter_{int(marker.read_text()):07d}"
+    if not (directory / "metadata.json").is_file():
+        return None
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load_common_state_dict(str(directory)).get("args")
+    except Exception:  # noqa: BLE001 - not ours to judge: Megatron's load speaks
+        return None
+
+
+def resume_problems(args) -> list[str]:
+    """What Megatron's load cannot take from --load's save (one line): a MoE run's optimizer state across expert
+    parallelism 1 and above, where Megatron builds one optimizer on one side and one per parameter kind on the
+    other (its load raises)."""
+    if not args.load or args.finetune or args.no_load_optim or not args.num_experts:
+        return []
+    saved = saved_arguments(args.load)
+    if saved is None or not getattr(saved, "num_experts", None):
+        return []
+    before, now = saved.expert_model_parallel_size, args.expert_model_parallel_size
+    if (before == 1) == (now == 1):
+        return []
+    return [f"--load {args.load} was saved at --expert-model-parallel-size {before}, --expert-model-parallel-size "
+            f"{now} now: Megatron keeps the optimizer state of expert parallelism 1 and above in different shapes "
+            "(one optimizer, or one for experts beside one for the rest) and cannot load one into the other: resume "
+            f"at {'1' if before == 1 else 'an expert parallelism above 1'}, or add --no-load-optim"]
+
+
 def path_problems(args) -> list[str]:
     """--save must be writable (it is created); --load is Megatron's to read (a missing one starts afresh)."""
     if not args.save:

@@ -6,8 +6,9 @@ from mm_adaptor.core.features import BIT_FOR_BIT, Feature, Flag, register
 from mm_adaptor.core.patching import PatchSet
 
 # The skew: every MoE layer's pre-MLP LayerNorm bias is SKEW along u = ones / sqrt(hidden) and its router's first
-# expert row points along u, so each token's logit for expert 0 exceeds the others' by about SKEW * ROUTER: expert 0 takes every
-# token (a coefficient of variation of 0.58 with 4 experts, top-2), which the aux loss can still move in 50 steps.
+# expert row points along u, so each token's logit for expert 0 exceeds the others' by about SKEW * ROUTER: expert 0
+# takes every token (a coefficient of variation of 0.58 with 4 experts, top-2), which the aux loss can still move
+# in 50 steps.
 SKEW, ROUTER = 1.5, 1.0
 
 

@@ -118,7 +118,7 @@ def test_every_problem_is_named_at_once():
     assert any("--hidden-size 63" in line for line in stderr) and any("--vocab-size 129" in line for line in stderr)
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["check", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["check", "--help"]])  # train's help is Megatron-LM's parser's
 def test_help_does_not_import_torch(argv):
     stdout, stderr = _run(*argv)
     assert stdout.endswith("status=0 torch_imported=False"), stdout[-200:]
@@ -130,6 +130,7 @@ def test_help_does_not_import_torch(argv):
     ["--expert-model-parallel-size", "2", "--num-experts", "4"],
     ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],  # 4 ranks by default
     ["--pipeline-model-parallel-size=2", "--num-layers-per-virtual-pipeline-stage", "1"],
+    ["--context-parallel-size", "2", "--nproc-per-node", "2"],  # CP2 on 2 ranks: no TP2 added to it
 ], ids=" ".join)
 def test_check_without_layout_takes_the_parallel_flags_as_the_layout(layout_flags):
     """No default layout (tp2-sp) is added to them: the one problem named is the planted one."""

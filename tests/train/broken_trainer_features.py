@@ -1,0 +1,32 @@
+"""Deliberately broken variants of the trainer's mechanisms (loaded into its ranks through
+MM_ADAPTOR_FEATURE_MODULES), each of which its test must reject: evaluation on the training split, and a stop on
+SIGTERM that does not save."""
+
+from mm_adaptor.core.features import BIT_FOR_BIT, Feature, Flag, register
+from mm_adaptor.core.patching import PatchSet
+
+
+@register
+class EvaluationOnTheTrainingSplit(Feature):
+    name = "test-eval-on-train-split"
+    description = "a broken trainer whose validation and test batches are the training split's"
+    flags = (Flag("--test-eval-on-train-split", description),)
+    tolerance = BIT_FOR_BIT
+
+    def patch_sets(self, options):
+        ps = PatchSet(self.name)
+        ps.replace("mm_adaptor.train.providers._split_args", lambda args, split: args)
+        return [ps]
+
+
+@register
+class StopWithoutSaving(Feature):
+    name = "test-stop-without-saving"
+    description = "a broken trainer that stops on SIGTERM (exit 0) without saving a checkpoint"
+    flags = (Flag("--test-stop-without-saving", description),)
+    tolerance = BIT_FOR_BIT
+
+    def patch_sets(self, options):
+        ps = PatchSet(self.name)
+        ps.replace("megatron.training.training.save_checkpoint_and_time", lambda *args, **kwargs: None)
+        return [ps]

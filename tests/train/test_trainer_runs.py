@@ -1,0 +1,156 @@
+"""The trainer on Megatron-LM's loop, tiny GPT on 2 CPU ranks (TP2):
+- evaluation reads the validation split: its loss equals the training loss of the same weights on the stream the
+  validation split draws from; a trainer that evaluates on the training split is rejected;
+- SIGTERM to the command in the middle of a run: the ranks finish their iteration, save, and it exits 0; the
+  resumed run continues the uninterrupted run's losses exactly; a stop that does not save is rejected;
+- Megatron's exit conditions (--exit-interval) save and stop;
+- the iteration line: Megatron's, plus --log-tps' fields and --log-throughput's MFU against the named peak, and
+  TensorBoard gets Megatron's scalars."""
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mm_adaptor.harness.compare import extra_feature_module
+from trainer_runs import QUICK, relative_differences, scalars, train
+
+pytestmark = pytest.mark.distributed
+pytest.importorskip("megatron.training")
+pytest.importorskip("tensorboard")
+
+TP2 = ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2", *QUICK]
+BROKEN = "broken_trainer_features"
+MARKER = "latest_checkpointed_iteration.txt"
+
+
+def _evaluated_against_its_own_stream(tmp_path, *broken) -> tuple[float, float]:
+    """(the validation loss after step 1, the training loss of those weights on the validation split's stream):
+    learning rate 0, so the step leaves the weights as they were; the second run starts from the first's save
+    (--finetune) with the seed the validation split draws with."""
+    from mm_adaptor.train.providers import SPLIT_SEED_STRIDE
+
+    run = [*TP2, "--lr", "0", "--train-iters", "1", "--seed", "1234"]
+    first = train([*run, "--eval-iters", "1", "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
+                   "--tensorboard-dir", str(tmp_path / "tb-eval"), *broken])  # evaluated once, after training
+    assert first.status == 0, first.err[-3000:]
+    again = train([*TP2, "--lr", "0", "--train-iters", "1", "--seed", str(1234 + SPLIT_SEED_STRIDE),
+                   "--load", str(tmp_path / "ckpt"), "--finetune", "--tensorboard-dir", str(tmp_path / "tb-train")])
+    assert again.status == 0, again.err[-3000:]
+    # Megatron prints the validation set's loss apart from the test set's (its TensorBoard tag is the same for both)
+    validation = re.search(r"validation loss at iteration 1 on validation set \| lm loss value: (\S+) \|", first.out)
+    return float(validation.group(1)), scalars(tmp_path / "tb-train")[1]
+
+
+def _assert_same(validation: float, training: float) -> None:
+    assert abs(validation - training) <= 1e-6 * abs(training), (validation, training)  # 7 printed digits
+
+
+def test_evaluation_reads_the_validation_split(tmp_path):
+    _assert_same(*_evaluated_against_its_own_stream(tmp_path))
+
+
+def test_evaluation_on_the_training_split_is_rejected(tmp_path):
+    with extra_feature_module(BROKEN):
+        validation, training = _evaluated_against_its_own_stream(tmp_path, "--test-eval-on-train-split")
+    with pytest.raises(AssertionError):
+        _assert_same(validation, training)
+
+
+ITERATIONS = 12
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tb = tmp_path_factory.mktemp("tb-whole")
+    run = train([*TP2, "--train-iters", str(ITERATIONS), "--tensorboard-dir", str(tb)])
+    assert run.status == 0, run.err[-3000:]
+    return scalars(tb)
+
+
+def _stopped_by_sigterm(tmp_path, *extra):
+    """The command, sent SIGTERM once 4 iterations were logged (a thread of this process, which is the command)."""
+    tb, save = tmp_path / "tb-stopped", tmp_path / "ckpt"
+
+    def stop():
+        while len(scalars(tb)) < 4:
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop, daemon=True).start()
+    run = train([*TP2, "--train-iters", str(ITERATIONS), "--save", str(save), "--save-interval", "1000",
+                 "--tensorboard-dir", str(tb), *extra])
+    return run, scalars(tb), save
+
+
+def _assert_stopped_and_saved(run, logged: dict, save: Path) -> int:
+    assert run.status == 0, run.err[-3000:]
+    reached = max(logged)
+    assert 4 <= reached < ITERATIONS, logged
+    assert "stopped on SIGTERM: the ranks finished their iteration; the checkpoint is in" in run.err, run.err
+    assert (save / MARKER).is_file() and int((save / MARKER).read_text()) == reached, list(save.iterdir())
+    return reached
+
+
+def test_sigterm_saves_exits_0_and_the_resumed_run_continues_the_losses(tmp_path, uninterrupted):
+    run, logged, save = _stopped_by_sigterm(tmp_path)
+    reached = _assert_stopped_and_saved(run, logged, save)
+    resumed = train([*TP2, "--train-iters", str(ITERATIONS), "--load", str(save),
+                     "--tensorboard-dir", str(tmp_path / "tb-resumed")])
+    assert resumed.status == 0, resumed.err[-3000:]
+    after = scalars(tmp_path / "tb-resumed")
+    assert sorted(after) == list(range(reached + 1, ITERATIONS + 1))
+    assert {**logged, **after} == uninterrupted  # every loss, bit for bit
+
+
+def test_a_stop_that_does_not_save_is_rejected(tmp_path):
+    with extra_feature_module(BROKEN):
+        run, logged, save = _stopped_by_sigterm(tmp_path, "--test-stop-without-saving")
+    with pytest.raises(AssertionError):
+        _assert_stopped_and_saved(run, logged, save)
+
+
+def test_exit_interval_saves_and_stops(tmp_path):
+    run = train([*TP2, "--train-iters", str(ITERATIONS), "--exit-interval", "2", "--save", str(tmp_path),
+                 "--save-interval", "1000"])
+    assert run.status == 0, run.err[-3000:]
+    assert "exiting program at iteration 2" in run.out and int((tmp_path / MARKER).read_text()) == 2
+
+
+def test_the_iteration_line_is_megatron_s_with_the_trainer_s_fields(tmp_path):
+    run = train([*TP2, "--train-iters", "3", "--log-tps", "--log-throughput", "--mfu-peak-tflops", "0.5",
+                 "--tensorboard-dir", str(tmp_path)])
+    assert run.status == 0, run.err[-3000:]
+    lines = run.iteration_lines()
+    assert len(lines) == 3, run.out[-3000:]
+    for field in ("consumed samples", "elapsed time per iteration (ms)", "throughput per GPU (TFLOP/s/GPU)",
+                  "learning rate", "lm loss", "grad norm", "tokens per sample", "tokens per second (padded)",
+                  "samples per second"):
+        assert len(run.field(field)) == 3, (field, lines[0])
+    throughput = [float(value) for value in run.field("throughput per GPU (TFLOP/s/GPU)")]
+    mfu = [value for value in run.field("MFU")]
+    for tflops, text in zip(throughput, mfu):
+        percent = float(text.split("%")[0])
+        assert text.endswith("of 0.5 TFLOP/s (--mfu-peak-tflops, fp32 dense peak)"), text
+        assert abs(percent - 100 * tflops / 0.5) <= 0.1 + 0.05 * percent, (tflops, text)
+    assert [float(v) for v in run.field("tokens per sample")] == [64.0] * 3  # the GPT's mock rows: --seq-length
+    assert sorted(scalars(tmp_path)) == [1, 2, 3]
+    without_peak = train([*TP2, "--train-iters", "1", "--log-throughput"])
+    assert without_peak.field("MFU") == ["n/a (no peak for the CPU; give --mfu-peak-tflops)"]
+
+
+def test_no_evaluation_where_the_split_has_no_samples(tmp_path):
+    pytest.importorskip("PIL")
+    from mm_adaptor.data.shapes import make_shapes
+
+    shapes = make_shapes(str(tmp_path), count=8, seed=0)
+    run = train(["--nproc-per-node", "1", "--model", "qwen2_5_vl-tiny", "--data-path", shapes, "--split", "100,0,0",
+                 "--seq-length", "256", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1",
+                 *QUICK[:-2], "--eval-iters", "2"])
+    assert run.status == 0, run.err[-3000:]
+    assert "the validation split has no samples (--split 100,0,0): it is not evaluated" in run.out
+    assert "validation loss" not in run.out
