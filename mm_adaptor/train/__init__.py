@@ -96,11 +96,15 @@ def _megatron_validation(args) -> None:
 
     from megatron.training import arguments as megatron_arguments
 
+    from mm_adaptor.megatron_lm import _validate_with_overrides
+
     validate = getattr(megatron_arguments.validate_args, "__wrapped__", megatron_arguments.validate_args)
     quiet = io.StringIO()
     try:
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet), _device_layer():
-            validate(args, {})
+            # as the one-line import validates: the enabled features' overrides in place meanwhile (e.g.
+            # --use-fused-gmm serving --moe-grouped-gemm, which Megatron refuses without a capable GPU)
+            _validate_with_overrides(validate, (args, {}), {}, args)
     except (AssertionError, ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
         message = " ".join(str(exc).split())
         if not message:  # a bare assert: the line that failed

@@ -192,10 +192,20 @@ def _moe_problems(args) -> list[str]:
     for name, default in MOE_ARGUMENTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
+    if args.num_experts and args.moe_grouped_gemm and not getattr(args, "use_fused_gmm", False) \
+            and not _grouped_gemm_kernels():
+        return ["--moe-grouped-gemm needs Transformer Engine or the grouped_gemm package, neither installed here: "
+                "add --use-fused-gmm (the adaptor's grouped GEMM serves it)"]
     if args.num_experts or not given:
         return []
     return [f"{', '.join(_flag(name) for name in given)}: the model has no experts (no --num-experts, and its "
             "checkpoint has none): drop them"]
+
+
+def _grouped_gemm_kernels() -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) is not None for name in ("transformer_engine", "grouped_gemm"))
 
 
 def _converted_load(args) -> list[str]:
