@@ -74,7 +74,8 @@ def run_one(args, name):
     from mm_adaptor.devices.memory import model_state_bytes
     from mm_adaptor.train.data import MockBatches
     from mm_adaptor.harness.runner.loop import RunState, _set_seeds, train_step
-    from mm_adaptor.harness.runner.model import build_model, build_optimizer, connect_grad_sync, transformer_config, wrap_model
+    from mm_adaptor.harness.runner.model import (build_model, build_optimizer, connect_grad_sync,
+                                                 transformer_config, wrap_model)
 
     backend = devices.install("cpu" if args.device == "cpu" else None)
     options = driver_args(args, CONFIGS[name])

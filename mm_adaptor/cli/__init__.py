@@ -84,7 +84,8 @@ def _data_main(argv: list[str]) -> int:
 
 COMMANDS = {
     "report": (report_main, "versions, device backend, native ops and every feature"),
-    "train": (_train_main, "train on Megatron-LM's engine: the tiny GPT, a vision-language family, any checkpoint (see mm-adaptor train --help)"),
+    "train": (_train_main, "train on Megatron-LM's loop: the tiny GPT, a vision-language family, a checkpoint (see "
+                           "mm-adaptor train --help)"),
     "check": (check_main, "features off vs on: losses, gradients, memory (see mm-adaptor check --help)"),
     "calibrate": (calibrate_main, "measure Megatron's rounding noise, which sets check's inexact thresholds"),
     "fingerprint": (fingerprint_main, "print the contract fingerprint of dotted targets (for patch authors)"),

@@ -78,12 +78,14 @@ def test_dynamic_rope_scaling_is_plain_rope_up_to_max_position_embeddings():
         assert not torch.allclose(beyond[:, -1], hf_logits(reference, long)[:, -1], rtol=1e-4, atol=1e-5)
 
 
-def test_a_dynamic_rope_checkpoint_refuses_a_longer_seq_length_before_any_rank(tmp_path, capsys):
+def test_a_dynamic_rope_checkpoint_refuses_a_longer_seq_length_before_any_rank(tmp_path):
     """Positions beyond max_position_embeddings are where rope_scaling 'dynamic' rescales (not built): one line,
     exit 2, before any rank starts; at the limit the checks pass."""
+    import importlib.util
     import json
 
     from mm_adaptor.harness import runner as train
+    from mm_adaptor.harness.runner import LayoutError
     from mm_adaptor.data.shapes import make_shapes
 
     config = tiny_config(max_position_embeddings=64, rope_dynamic_factor=2.0)
@@ -92,11 +94,16 @@ def test_a_dynamic_rope_checkpoint_refuses_a_longer_seq_length_before_any_rank(t
     data = make_shapes(str(tmp_path / "shapes"), count=2, seed=0)
     argv = ["--model", "internvl", "--load", str(tmp_path), "--data-path", data, "--nproc-per-node", "1",
             "--train-iters", "1", "--micro-batch-size", "1"]
-    with pytest.raises(SystemExit) as exit_:
-        train.main([*argv, "--seq-length", "128"])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--seq-length 128 is beyond the checkpoint's max_position_embeddings 64" in err[0], err
+    if importlib.util.find_spec("megatron.training") is not None:  # the trainer refuses it before any rank
+        from trainer_runs import train as trainer
+
+        run = trainer([*argv, "--seq-length", "128"])
+        err = run.err.strip().splitlines()
+        assert run.status == 2 and len(err) == 1, run.err
+        assert "--seq-length 128 is beyond the checkpoint's max_position_embeddings 64" in err[0], err
+    with pytest.raises(LayoutError) as refused:  # and so does the harness's runner
+        train.check_args(train.parse_args([*argv, "--seq-length", "128"]), 1)
+    assert "--seq-length 128 is beyond the checkpoint's max_position_embeddings 64" in str(refused.value)
     args = train.parse_args([*argv, "--seq-length", "64"])
     train.finalize_args(args, 1)
     assert not [p for p in train.families.of(args).problems(args) if "max_position_embeddings" in p]

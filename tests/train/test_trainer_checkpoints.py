@@ -37,7 +37,8 @@ def _resumed(tmp_path, model, source, targets, extra=()):
     assert first.status == 0, first.err[-3000:]
     reference, found = scalars(tmp_path / "whole"), {}
     for name, layout in targets.items():
-        run = train([*base, *layout, *extra, "--load", str(tmp_path / "ckpt"), "--tensorboard-dir", str(tmp_path / name)])
+        run = train([*base, *layout, *extra, "--load", str(tmp_path / "ckpt"),
+                     "--tensorboard-dir", str(tmp_path / name)])
         assert run.status == 0, run.err[-3000:]
         after = scalars(tmp_path / name)
         assert sorted(after) == list(range(SAVED + 1, ITERATIONS + 1)), after
@@ -76,7 +77,8 @@ def test_a_resume_without_the_optimizer_state_is_rejected(gpt):
 
 @pytest.mark.parametrize("model, source, targets", [
     (["--model", "qwen2_5_vl-tiny"], TP2_PP2, {"dp4": []}),
-    (["--model", "qwen3_vl-tiny"], ["--tensor-model-parallel-size", "2"], {"pp2-dp2": ["--pipeline-model-parallel-size", "2"]}),
+    (["--model", "qwen3_vl-tiny"], ["--tensor-model-parallel-size", "2"],
+     {"pp2-dp2": ["--pipeline-model-parallel-size", "2"]}),
     (["--model", "internvl-tiny"], [], {"tp2-pp2": TP2_PP2}),
     (["--model", "qwen3_vl_moe-tiny"],
      ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],

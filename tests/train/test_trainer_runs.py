@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from mm_adaptor.harness.compare import extra_feature_module
-from trainer_runs import QUICK, relative_differences, scalars, train
+from trainer_runs import QUICK, scalars, train
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("megatron.training")

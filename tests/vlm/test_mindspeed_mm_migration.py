@@ -4,8 +4,9 @@ a tiny model.json and data.json in their schema (written here) and a checkpoint 
 Qwen2.5-VL, at TP1 PP2 with the vision encoder frozen by the model.json, on Megatron-LM's training loop: the loss
 falls by at least 20% in 20 iterations on the shapes captions (they depend on the picture), --log-tps prints tokens
 per sample, the vision encoder's weights are saved unchanged (their --ckpt-format torch save, converted to
-torch_dist by Megatron's own converter, then to HF). The refusals: a math-changing argument, a model.json that contradicts the
-checkpoint, a data.json whose dataset file is missing (one line, status 2, before any rank starts)."""
+torch_dist by Megatron's own converter, then to HF). The refusals: a math-changing argument, a model.json that
+contradicts the checkpoint, a data.json whose dataset file is missing (one line, status 2, before any rank
+starts)."""
 
 import json
 import os

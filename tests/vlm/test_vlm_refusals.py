@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mm_adaptor.harness.runner import LayoutError, check_args, main, parse_args
+from mm_adaptor.harness.runner import LayoutError, check_args, parse_args
 
 
 def _problems(*argv, nproc=2):
@@ -15,16 +15,18 @@ def _problems(*argv, nproc=2):
     return error.value.problems
 
 
-def test_a_bad_data_set_is_one_line_and_exit_status_2(tmp_path, capsys):
+def test_a_bad_data_set_is_one_line_and_exit_status_2(tmp_path):
     pytest.importorskip("PIL")
+    pytest.importorskip("megatron.training")
+    from trainer_runs import train
+
     data = tmp_path / "bad.json"
     data.write_text(json.dumps([{"messages": [{"role": "user", "content": "<image>hi"},
                                               {"role": "assistant", "content": "yes"}],
                                  "images": ["missing.png"]}]))
-    with pytest.raises(SystemExit) as exit_:
-        main(["--model", "qwen2_5_vl-tiny", "--data-path", str(data)])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    run = train(["--model", "qwen2_5_vl-tiny", "--data-path", str(data)])
+    assert run.status == 2, run.err
+    err = run.err.strip().splitlines()
     assert len(err) == 1 and "missing.png does not exist" in err[0] and err[0].startswith("mm-adaptor train"), err
 
 

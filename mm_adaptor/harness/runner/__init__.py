@@ -1,27 +1,25 @@
-"""Built-in training driver: a tiny GPT from megatron-core's local spec on mock data, any layout.
+"""The check harness's runner: its instrument, not a trainer (users train with mm_adaptor.train, on Megatron-LM's
+loop). It trains the same model in fresh local ranks with and without features under identical conditions and
+records what the verdicts compare: every step's losses and main gradients, the parameters, the module outputs and
+the memory figures (dump.py).
 
-Command line: `mm-adaptor train [Megatron-LM model/layout flags] [feature flags] [--nproc-per-node N]` launches its
-own local ranks (or runs under torchrun) and prints Megatron-style iteration lines.
-Python: `run(parse_args([...]))` trains in fresh local ranks and returns a Dump of what every rank recorded.
+    run(parse_args([...]))  # -> Dump of what every rank recorded
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 
 from mm_adaptor.core import features
-from mm_adaptor.ranks.launcher import Interrupted, LaunchError, launch, under_launcher
-from mm_adaptor.ranks.warning_digest import print_every_ranks_warnings_once
+from mm_adaptor.ranks.launcher import launch, under_launcher
 from mm_adaptor.train import families
 from mm_adaptor.harness.runner.arguments import LayoutError, build_parser, check_paths, finalize_args, parse_args
-from mm_adaptor.harness.runner.checkpoint_files import latest_checkpoint
 from mm_adaptor.harness.runner.dump import Dump, RankDump, dump_entries, read_dump
 from mm_adaptor.harness.runner.loop import run_rank
 
-__all__ = ["main", "run", "parse_args", "build_parser", "finalize_args", "LayoutError", "Dump", "RankDump",
+__all__ = ["run", "parse_args", "build_parser", "finalize_args", "LayoutError", "Dump", "RankDump",
            "dump_entries", "check_args"]
 
 
@@ -52,30 +50,6 @@ def _ranks_per_node_problem(args: argparse.Namespace) -> str | None:
     backend = devices.current_or_chosen()
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if under_launcher() else args.nproc_per_node
     return backend.ranks_per_node_problem(ranks)
-
-
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        check_args(args, int(os.environ["WORLD_SIZE"]) if under_launcher() else args.nproc_per_node)
-    except (LayoutError, features.FeatureConfigError) as exc:
-        parser.error(str(exc))
-    if under_launcher():
-        print_every_ranks_warnings_once(int(os.environ["RANK"]))
-        run_rank(args)
-        return 0
-    try:
-        launch(run_rank, (args,), nproc=args.nproc_per_node, timeout=args.timeout)
-    except Interrupted as exc:
-        saved = latest_checkpoint(args.save) if args.save else None
-        print(f"mm-adaptor train: {exc}; " + (f"last checkpoint: {saved}" if saved else "no checkpoint saved"),
-              file=sys.stderr)
-        return exc.exit_status
-    except LaunchError as exc:
-        print(f"mm-adaptor train: {exc}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def run(args: argparse.Namespace, *, echo: bool = False) -> Dump:

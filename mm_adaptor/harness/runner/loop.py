@@ -16,9 +16,11 @@ from mm_adaptor.harness.runner.arguments import finalize_args
 from mm_adaptor.harness.runner.checkpoint import load_checkpoint, save_checkpoint
 from mm_adaptor.train.data import ContextParallelSlices
 from mm_adaptor.harness.runner.dump import Recorder
-from mm_adaptor.harness.runner.logs import StepRecord, describe_layout, format_iteration, print_last_rank, set_silent, summary
+from mm_adaptor.harness.runner.logs import (StepRecord, describe_layout, format_iteration, print_last_rank,
+                                            set_silent, summary)
 from mm_adaptor.harness.runner.model import (  # noqa: F401  (loss_func: callers read it here too)
-    build_model, build_optimizer, connect_grad_sync, loss_func, per_virtual_stage, transformer_config, wrap_model)
+    build_model, build_optimizer, connect_grad_sync, loss_func, per_virtual_stage, transformer_config,
+    wrap_model)
 
 
 @dataclass

@@ -31,7 +31,8 @@ class Run:
 
     def field(self, name: str) -> list[str]:
         """A field of every iteration line, e.g. field("lm loss")."""
-        return [m.group(1) for m in re.finditer(rf"\| {re.escape(name)}: ([^|]+?) \|", "\n".join(self.iteration_lines()))]
+        lines = "\n".join(self.iteration_lines())
+        return [m.group(1) for m in re.finditer(rf"\| {re.escape(name)}: ([^|]+?) \|", lines)]
 
 
 def train(argv: list[str]) -> Run:
