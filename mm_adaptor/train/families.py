@@ -166,6 +166,9 @@ class Hybrid(Gpt):
 
         return hybrid.problems(args)  # the pattern sets --num-layers
 
+    def shape_megatron_args(self, args) -> list[str]:
+        return super().shape_megatron_args(args) + self.shape_args(args)
+
     def layers_per_stage(self, args) -> int:
         from mm_adaptor.train import hybrid
 

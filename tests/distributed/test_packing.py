@@ -11,7 +11,8 @@ import functools
 
 import pytest
 
-from mm_adaptor import harness, train
+from mm_adaptor import harness
+from mm_adaptor.harness import runner as train
 from mm_adaptor.core.features import Tolerance
 from mm_adaptor.harness import baseline, verdict
 from mm_adaptor.harness.compare import NOISE_PARTS, checked_args, rounding_noise_run

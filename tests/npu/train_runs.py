@@ -1,4 +1,4 @@
-"""Runs `mm-adaptor train` (train.run, 2 ranks) once per spec on the device each names and prints one RESULT= JSON
+"""Runs the harness's runner (train.run, 2 ranks) once per spec on the device each names and prints one RESULT= JSON
 line: losses, grad norms, whether TP ranks' layer outputs agree, and the fake npu probe's rank files.
 A script for a fresh interpreter (tests/npu/fake.py puts the FAKE torch_npu on its path)."""
 
