@@ -1,5 +1,3 @@
-import sys
+from mm_adaptor.cli import run
 
-from mm_adaptor.cli import main
-
-sys.exit(main())
+run()

@@ -14,8 +14,8 @@ from queue import Empty
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mm_adaptor.ranks.process import (PRELOAD_MODULE, die_with_launcher, end_rank, free_port, is_process_helper,
-                                     rank_context, stdio_for)
+from mm_adaptor.ranks.process import (PRELOAD_MODULE, die_with_launcher, exit_skipping_teardown, free_port,
+                                     is_process_helper, rank_context, stdio_for)
 
 __all__ = ["LaunchError", "Interrupted", "Nodes", "launch", "free_port", "under_launcher", "report_progress",
            "report_interruptions", "is_process_helper", "rank_context"]
@@ -171,12 +171,12 @@ def _rank_entry(fn, args, local_rank, nproc, nodes, port, threads, errors, rank_
     except SystemExit as exc:  # a clean exit (Megatron's exit conditions call sys.exit(0)) is not a failure
         if exc.code not in (0, None):
             errors.put((rank, f"SystemExit: {exc.code}", traceback.format_exc()))
-            end_rank(exc.code if isinstance(exc.code, int) else 1)
+            exit_skipping_teardown(exc.code if isinstance(exc.code, int) else 1)
     except BaseException as exc:  # noqa: BLE001 - everything a rank raises goes to the parent
         errors.put((rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        end_rank(1)
+        exit_skipping_teardown(1)
     report_progress("exiting")
-    end_rank(0)
+    exit_skipping_teardown(0)
 
 
 # The free port is found by binding and releasing it, so another process can take it before rank 0 listens; the

@@ -6,6 +6,9 @@ are applied in the rank, after the fork."""
 
 from __future__ import annotations
 
+import atexit
+import os
+
 from mm_adaptor.ranks.warning_digest import forwarding
 
 MODULES = (
@@ -44,4 +47,13 @@ def replay(send) -> None:
         send(notice)
 
 
+def _server_exits_without_teardown(server_pid: int = os.getpid()) -> None:
+    """The server ends when its launcher does; the interpreter's teardown over torch and megatron would take
+    another 2 s, while it still holds the launcher's stdout (a caller reading it to the end waits). A rank forked
+    from it inherits this handler, and is not the server."""
+    if os.getpid() == server_pid:
+        os._exit(0)
+
+
 _preload()
+atexit.register(_server_exits_without_teardown)

@@ -120,9 +120,9 @@ RANK_START_ENV = "MM_ADAPTOR_RANK_START"  # "fork-server" (the default where the
 PRELOAD_MODULE = "mm_adaptor.ranks.preload"
 # What torch and megatron-core do not read at import, so a change needs no new server (the rank gets the current
 # value anyway): mm_adaptor's own settings (read by its code in the rank, e.g. the harness's extra feature modules),
-# the rendezvous, and pytest's per-test marker.
+# the rendezvous, pytest's per-test marker, and inductor's cache folder (torch writes its default there on first use).
 _NOT_READ_AT_IMPORT = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                       "PYTEST_CURRENT_TEST")
+                       "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 _NOT_READ_AT_IMPORT_PREFIXES = ("MM_ADAPTOR_",)
 _server_env: dict[str, str] | None = None
 
@@ -185,6 +185,16 @@ def rank_context():
     return mp.get_context("forkserver")
 
 
+def start_rank_server() -> None:
+    """Start the server ranks fork from now, where they will be forked from it: its imports (torch, megatron-core,
+    several seconds) then run beside the launcher's own work before the launch (checking the command line)."""
+    ctx = rank_context()
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
 class _LauncherStdio:
     """The launcher's stdout and stderr as they are when a rank starts (a test's capture, a redirect): a rank
     forked from the server would otherwise write to the server's, which are the launcher's of an earlier time."""
@@ -215,8 +225,9 @@ def stdio_for(ctx):
     return _LauncherStdio()
 
 
-def end_rank(code: int) -> None:
-    """Exit the rank with `code` once what it sent, started and buffered is out, skipping interpreter teardown.
+def exit_skipping_teardown(code: int) -> None:
+    """Exit a rank, or the program, with `code` once what it sent, started and buffered is out, skipping the
+    interpreter's teardown.
 
     Teardown ends with a full garbage collection over torch's and megatron's objects (seconds after the work is
     done), and then extensions' leak checkers run: nanobind's (Triton's bindings) prints a hundred lines about

@@ -1,5 +1,6 @@
 import sys
 
 from mm_adaptor.cli import main
+from mm_adaptor.ranks.process import exit_skipping_teardown
 
-sys.exit(main(["train", *sys.argv[1:]]))
+exit_skipping_teardown(main(["train", *sys.argv[1:]]))
