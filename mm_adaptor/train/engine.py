@@ -239,11 +239,26 @@ def _with_side_files(wrapped, _instance, args, kwargs):
 
     from mm_adaptor.train import families
 
+    _results_queue_forked()
     result = wrapped(*args, **kwargs)
     megatron_args = get_args()
     if megatron_args.save:
         families.of(megatron_args).save_side_files(megatron_args)
     return result
+
+
+def _results_queue_forked() -> None:
+    """A torch_dist save's writers report through a multiprocessing manager's queue, which megatron-core starts
+    spawned on the first save: a fresh interpreter importing torch, 4 s per rank on 2 CPU cores. Forked it starts at
+    once; it only serves the queue, and Megatron-LM forks it so itself for its persistent asynchronous writer."""
+    import inspect
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    make = getattr(filesystem_async, "get_write_results_queue", None)
+    if (make is not None and getattr(filesystem_async, "_results_queue", True) is None
+            and "mp_mode" in inspect.signature(make).parameters):
+        make(mp_mode="fork")
 
 
 def run_rank(argv: list[str], handoff: dict | None = None) -> None:
