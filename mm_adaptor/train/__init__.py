@@ -140,6 +140,10 @@ def main(argv=None) -> int:
     if "-h" in argv or "--help" in argv:
         return _print_help()
     torchrun = under_launcher()
+    if not torchrun:
+        from mm_adaptor.ranks.process import start_rank_server
+
+        start_rank_server()
     try:
         args, handoff = check(argv, under_torchrun=torchrun)
     except UsageError as exc:
@@ -158,7 +162,7 @@ def main(argv=None) -> int:
         stopped = launch(engine.run_rank, (argv, handoff), nproc=arguments.local_ranks(args),
                          timeout=args.distributed_timeout_minutes * 60 + 300, nodes=nodes, graceful=True)
     except Interrupted as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}{_last_checkpoint(args.save)}", file=sys.stderr)
         return exc.exit_status
     except LaunchError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
@@ -170,6 +174,19 @@ def main(argv=None) -> int:
         print(f"{PROG}: stopped on {signal.Signals(stopped).name}: the ranks finished their iteration{saved}",
               file=sys.stderr)
     return 0
+
+
+def _last_checkpoint(save) -> str:
+    """Where a resume starts: the save Megatron's tracker file names (a save cut short never moved it)."""
+    if not save:
+        return " (no --save: nothing saved)"
+    tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
+    try:
+        with open(tracker) as file:
+            iteration = file.read().strip()
+    except OSError:
+        return f"; no checkpoint in {save} yet"
+    return f"; last checkpoint: {os.path.join(save, f'iter_{int(iteration):07d}') if iteration.isdigit() else save}"
 
 
 def _print_help() -> int:

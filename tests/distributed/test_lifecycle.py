@@ -1,7 +1,10 @@
-"""The launcher owns its ranks: a signal or its own death stops every rank and everything the ranks started, a
-save cut short never becomes the checkpoint a resume loads, and only a rank that stops making progress is hung."""
+"""The launcher owns its ranks: a first signal to `mm-adaptor train` lets its ranks finish the iteration and save
+(Megatron-LM's exit-signal handler), a second one stops every rank and everything the ranks started with one line,
+as does the launcher's own death; a save cut short never becomes the checkpoint a resume loads (Megatron's tracker
+file still names the previous save); only a rank that stops making progress is hung."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,27 +14,30 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mm_adaptor.harness import runner as train
 from mm_adaptor.ranks.launcher import LaunchError, is_process_helper, launch, report_progress
-from mm_adaptor.harness.runner.checkpoint import MARKER
+from trainer_runs import QUICK, scalars, train
 
 pytestmark = pytest.mark.distributed
 
+MARKER = "latest_checkpointed_iteration.txt"  # Megatron's tracker file: the iteration a --load resumes
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-        "--vocab-size", "128", "--nproc-per-node", "2"]
+        "--max-position-embeddings", "32", "--vocab-size", "128", "--micro-batch-size", "1",
+        "--nproc-per-node", "2", *QUICK, "--log-interval", "1"]
+CHECK_TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+              "--vocab-size", "128", "--nproc-per-node", "2"]
 # launch() without a thread count for torch: the ranks need not import it, so they start in well under a second
 NO_TORCH = 0
 
 
-def _start(tmp_path: Path) -> subprocess.Popen:
+def _start(tmp_path: Path, *extra: str) -> subprocess.Popen:
     """`mm-adaptor train` saving every 2 iterations for far longer than a test waits, in its own session."""
     command = [sys.executable, "-m", "mm_adaptor.cli", "train", *TINY, "--train-iters", "100000",
-               "--save", str(tmp_path / "ckpt"), "--save-interval", "2", "--timeout", "120"]
+               "--save", str(tmp_path / "ckpt"), "--save-interval", "2", *extra]
     with open(tmp_path / "stdout", "wb") as out, open(tmp_path / "stderr", "wb") as err:
         return subprocess.Popen(command, stdout=out, stderr=err, start_new_session=True)
 
 
-def _wait_for(condition, what: str, timeout: float = 120.0, launcher=None):
+def _wait_for(condition, what: str, timeout: float = 180.0, launcher=None):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         value = condition()
@@ -87,8 +93,8 @@ def launched(tmp_path):
     """A running `mm-adaptor train`; whatever a failing test leaves is killed afterwards."""
     started: list = []
 
-    def start():
-        launcher = _start(tmp_path)
+    def start(*extra):
+        launcher = _start(tmp_path, *extra)
         started.append(launcher)
         return launcher
 
@@ -107,34 +113,60 @@ def launched(tmp_path):
         launcher.wait()
 
 
-def _checkpoint_saved(tmp_path: Path):
-    return (tmp_path / "ckpt" / MARKER).exists()
+def _saved(tmp_path: Path) -> int:
+    marker = tmp_path / "ckpt" / MARKER
+    return int(marker.read_text()) if marker.exists() else 0
 
 
-@pytest.mark.parametrize("signum, to_group", [
-    (signal.SIGINT, False), (signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGHUP, False)],
-    ids=["SIGINT", "SIGINT-to-group", "SIGTERM", "SIGHUP"])
-def test_a_signal_stops_every_rank_with_one_line(tmp_path, launched, signum, to_group):
+def _iterations_logged(tmp_path: Path) -> list[int]:
+    return [int(n) for n in re.findall(r" iteration +(\d+)/", (tmp_path / "stdout").read_text())]
+
+
+@pytest.mark.parametrize("signum, to_group", [(signal.SIGINT, True), (signal.SIGHUP, False)],
+                         ids=["SIGINT-to-group", "SIGHUP"])
+def test_a_first_signal_finishes_the_iteration_saves_and_exits_0(tmp_path, launched, signum, to_group):
+    """(SIGTERM sent to the command in its own process: tests/train/test_trainer_runs.py, with the resume.)"""
     launcher = launched()
-    _wait_for(lambda: _checkpoint_saved(tmp_path), "checkpoint", launcher=launcher)
+    _wait_for(lambda: _saved(tmp_path), "checkpoint", launcher=launcher)
     launcher.descendants = descendants = _ranks_running(launcher)
     (os.killpg if to_group else os.kill)(launcher.pid, signum)  # to the group: what Ctrl-C in a terminal does
 
-    assert launcher.wait(timeout=30) == 128 + signum
+    assert launcher.wait(timeout=120) == 0, (tmp_path / "stderr").read_text()[-3000:]
+    _assert_all_gone(descendants, within=5)
+    stderr = (tmp_path / "stderr").read_text()
+    assert "Traceback" not in stderr, stderr
+    name = signal.Signals(signum).name
+    assert (f"mm-adaptor train: stopped on {name}: the ranks finished their iteration; the checkpoint is in "
+            f"{tmp_path / 'ckpt'}") in stderr.splitlines(), stderr
+    last = max(_iterations_logged(tmp_path))
+    assert _saved(tmp_path) == last and (tmp_path / "ckpt" / f"iter_{last:07d}").is_dir(), (last, _saved(tmp_path))
+
+
+@pytest.mark.parametrize("first, second", [(signal.SIGTERM, signal.SIGINT), (signal.SIGHUP, signal.SIGTERM)],
+                         ids=["SIGTERM-then-SIGINT", "SIGHUP-then-SIGTERM"])
+def test_a_second_signal_stops_every_rank_with_one_line(tmp_path, launched, first, second):
+    launcher = launched()
+    _wait_for(lambda: _saved(tmp_path), "checkpoint", launcher=launcher)
+    launcher.descendants = descendants = _ranks_running(launcher)
+    for rank in [p for p in descendants if _leads_its_group(p)]:
+        os.killpg(rank.pid, signal.SIGSTOP)  # the ranks cannot finish before the second signal comes
+    os.kill(launcher.pid, first)
+    time.sleep(0.5)
+    os.kill(launcher.pid, second)
+
+    assert launcher.wait(timeout=30) == 128 + second
     _assert_all_gone(descendants, within=5)
     stderr = (tmp_path / "stderr").read_text()
     assert "Traceback" not in stderr, stderr
     lines = [line for line in stderr.splitlines() if "interrupted" in line]
     assert len(lines) == 1 and stderr.splitlines()[-1] == lines[0], "the interruption is the last word"
-    name = signal.Signals(signum).name
-    assert lines[0].startswith(f"mm-adaptor train: interrupted ({name}) at iteration "), lines[0]
-    saved = int((tmp_path / "ckpt" / MARKER).read_text())
-    assert lines[0].endswith(f"; last checkpoint: {tmp_path / 'ckpt' / f'iter_{saved:07d}'}"), lines[0]
+    assert lines[0].startswith(f"mm-adaptor train: interrupted ({signal.Signals(second).name}) at iteration "), lines
+    assert lines[0].endswith(f"; last checkpoint: {tmp_path / 'ckpt' / f'iter_{_saved(tmp_path):07d}'}"), lines[0]
 
 
 def test_ranks_and_their_helpers_die_with_a_killed_launcher(tmp_path, launched):
     launcher = launched()
-    _wait_for(lambda: _checkpoint_saved(tmp_path), "checkpoint", launcher=launcher)
+    _wait_for(lambda: _saved(tmp_path), "checkpoint", launcher=launcher)
     launcher.descendants = descendants = _ranks_running(launcher)
     launcher.kill()
     launcher.wait()
@@ -151,46 +183,57 @@ def _stopped(process: psutil.Process) -> bool:
 def _stop_ranks_mid_save(tmp_path: Path, launcher) -> int:
     """Freeze every rank (and its helpers) while a save is half done; returns the iteration being saved.
 
-    A save lives in iter_N.saving until every rank has written its part, and is renamed before the marker moves,
-    so a .saving directory seen while all ranks are stopped is a save that has not finished."""
+    Megatron writes iter_N and moves its tracker file to N once every rank has written its part, so an iter_N
+    newer than the tracker seen while all ranks are stopped is a save that has not finished."""
     ckpt = tmp_path / "ckpt"
+
+    def unfinished():
+        newest = max((int(p.name[len("iter_"):]) for p in ckpt.glob("iter_*")), default=0)
+        return newest if newest > _saved(tmp_path) else None
+
     while True:
-        staging = _wait_for(lambda: sorted(ckpt.glob("iter_*.saving")), "save in progress", launcher=launcher)
-        # each rank leads its own group (a child of the launcher, or of the server it forks from)
+        newest = _wait_for(unfinished, "save in progress", launcher=launcher)
         ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True) if _leads_its_group(p)]
         for rank in ranks:
             os.killpg(rank.pid, signal.SIGSTOP)
         group = [p for rank in ranks for p in [rank, *rank.children(recursive=True)]]
         _wait_for(lambda group=group: all(_stopped(p) for p in group), "stopped ranks")
-        if staging[0].exists():
-            return int(staging[0].name[len("iter_"):-len(".saving")])
+        if _saved(tmp_path) < newest:
+            return newest
         for rank in ranks:
             os.killpg(rank.pid, signal.SIGCONT)
 
 
 def test_a_save_cut_short_leaves_the_previous_checkpoint_to_resume_from(tmp_path, launched):
-    launcher = launched()
-    _wait_for(lambda: _checkpoint_saved(tmp_path), "checkpoint", launcher=launcher)
+    launcher = launched("--tensorboard-dir", str(tmp_path / "tb-cut"))
+    _wait_for(lambda: _saved(tmp_path), "checkpoint", launcher=launcher)
     launcher.descendants = descendants = _ranks_running(launcher)
     cut_short = _stop_ranks_mid_save(tmp_path, launcher)
+    launcher.terminate()  # passed on to the stopped ranks, which cannot act on it
+    time.sleep(0.5)
     launcher.terminate()
     assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
     _assert_all_gone(descendants, within=5)
 
     ckpt = tmp_path / "ckpt"
-    saved = int((ckpt / MARKER).read_text())
-    assert saved == cut_short - 2, f"the marker names {saved}, the save cut short was {cut_short}"
-    assert not (ckpt / f"iter_{cut_short:07d}").exists()
+    saved = _saved(tmp_path)
+    assert saved == cut_short - 2, f"the tracker names {saved}, the save cut short was {cut_short}"
     assert f"last checkpoint: {ckpt / f'iter_{saved:07d}'}" in (tmp_path / "stderr").read_text()
 
-    target = saved + 3
-    straight = train.run(train.parse_args([*TINY, "--train-iters", str(target), "--timeout", "120"])).ranks[0]
-    resumed = train.run(train.parse_args([*TINY, "--train-iters", str(target), "--timeout", "120",
-                                          "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "2"])).ranks[0]
-    assert resumed.losses == straight.losses[saved:], (resumed.losses, straight.losses[saved:])
+    target = cut_short + 1
+    # the schedule's length must match the checkpoint's (Megatron checks it); --exit-interval ends the run
+    resumed = train([*TINY, "--train-iters", "100000", "--exit-interval", str(target), "--load", str(ckpt),
+                     "--save", str(ckpt),
+                     "--save-interval", "2", "--tensorboard-dir", str(tmp_path / "tb-resumed")])
+    assert resumed.status == 0, resumed.err[-3000:]
+    before, after = scalars(tmp_path / "tb-cut"), scalars(tmp_path / "tb-resumed")
+    assert sorted(after) == list(range(saved + 1, target + 1)), sorted(after)
+    # the iterations both ran (the cut-short run logged the one it was saving) are the same, bit for bit
+    assert {step: before[step] for step in after if step in before} == {
+        step: after[step] for step in after if step in before}
+    assert saved + 1 in before
     # the resumed run saved the cut-short iteration again over the leftovers, then its last one
-    assert (ckpt / f"iter_{cut_short:07d}").is_dir() and not list(ckpt.glob("*.saving"))
-    assert int((ckpt / MARKER).read_text()) == target
+    assert (ckpt / f"iter_{cut_short:07d}").is_dir() and _saved(tmp_path) == target
 
 
 def _record_pid(directory):
@@ -251,7 +294,7 @@ def test_a_slow_rank_that_keeps_progressing_is_not_hung(tmp_path):
 
 def test_an_interrupted_check_stops_its_ranks_with_one_line(tmp_path):
     command = [sys.executable, "-m", "mm_adaptor.cli", "check", "--optimize-vocab-parallel-ce", "--layout", "tp2",
-               "--iters", "100000", "--no-baseline-cache", *TINY]
+               "--iters", "100000", "--no-baseline-cache", *CHECK_TINY]
     with open(tmp_path / "stderr", "wb") as err:
         check = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     try:
