@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     have), MindSpeed-MM's; the defaults prepare() must see unset."""
     MegatronParser.adopt(parser)
     features.add_arguments(parser)
+    backend = parser._option_string_actions.get("--distributed-backend")
+    if backend is not None and backend.choices and "hccl" not in backend.choices:
+        backend.choices = [*backend.choices, "hccl"]  # Ascend's, in MindSpeed(-MM)'s scripts
     existing = set(parser._option_string_actions)
     g = _Group(parser.add_argument_group(TRAINER_GROUP), existing)
     g.add("--model", choices=registry.model_choices(), default="gpt",
@@ -153,6 +156,10 @@ def prepare(args: argparse.Namespace) -> argparse.Namespace:
     if not problems:
         problems += family.shape_megatron_args(args)
     problems += _moe_problems(args)
+    missing = [f"--{name.replace('_', '-')}" for name in ("lr", "seq_length", "micro_batch_size")
+               if getattr(args, name) is None]
+    if missing and not problems:  # Megatron's asserts (or its optimizer, in every rank) would say it less plainly
+        problems.append(f"{', '.join(missing)}: missing, and Megatron-LM has no default (the tiny presets have)")
     if problems:
         raise UsageError(*problems)
     args.mm_adaptor_prepared = True

@@ -6,6 +6,8 @@ its vision tower's FLOPs. At the step's end one all-reduce makes them global (St
 - Megatron's num_floating_point_operations (hence --log-throughput's TFLOP/s) gains the vision tower's FLOPs;
 - --log-throughput's line gains the MFU against the device's peak (mm_adaptor.devices.peak_flops), naming it;
 - --log-tps adds MindSpeed-MM's tokens per sample, non-padding tokens per second and samples per second;
+- every line gains the peak memory of the most loaded rank (the device allocator's peak; on the CPU, which has
+  none, the rank process's peak resident set);
 - a mixture-of-experts model adds each MoE layer's expert-load spread (coefficient of variation of the tokens
   each expert got over the logged steps) (mm_adaptor.train.expert_load)."""
 
@@ -31,6 +33,7 @@ class StepTotals:
     interval_tokens: int = 0
     interval_samples: int = 0
     interval_steps: int = 0
+    peak_bytes: int = 0  # the largest of the ranks' peaks so far
     last: dict = field(default_factory=dict)
 
     def reset_step(self) -> None:
@@ -68,6 +71,11 @@ class StepTotals:
         dist.all_reduce(local)  # integers: exact, and every collective library sums int64
         vision = torch.tensor([self.vision_flops], dtype=torch.float32, device=device)
         dist.all_reduce(vision)
+        from mm_adaptor.devices.memory import peak_bytes
+
+        peak = torch.tensor([peak_bytes(device)], dtype=torch.int64, device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        self.peak_bytes = int(peak[0])
         self.tokens, self.rows = int(local[0]), int(local[1])
         self.samples = args.global_batch_size
         self.vision_flops = float(vision[0])
@@ -99,6 +107,9 @@ class StepTotals:
                 mfu = float(throughput.group(1)) / peak.tflops
                 fields.append(f"MFU: {100 * mfu:.1f}% of {peak.describe()}")
                 self.last["mfu"] = mfu
+        if self.peak_bytes:
+            fields.append(f"peak memory (GiB, most loaded rank): {self.peak_bytes / 2**30:.3f}")
+            self.last["peak_bytes"] = self.peak_bytes
         from mm_adaptor.train import expert_load
 
         spread = expert_load.LOADS.spread_field()

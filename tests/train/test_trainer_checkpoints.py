@@ -90,3 +90,32 @@ def test_each_family_resumes_at_another_layout(tmp_path, model, source, targets)
         run = train([*COMMON, *model, "--load", str(tmp_path / "ckpt")])
         assert run.status == 2 and len(run.err.strip().splitlines()) == 1, run.err
         assert "was saved at --expert-model-parallel-size 2, --expert-model-parallel-size 1 now" in run.err
+
+
+def test_a_converted_hf_checkpoint_fine_tunes_and_converts_back(tmp_path):
+    """An HF checkpoint converted by `mm-adaptor convert hf-to-mcore` trains in the trainer (started as --finetune,
+    a line says so) with both towers frozen, and its save converts back to HF: every tensor is the HF original's
+    but the projector's, which trained. Without --lr it is refused in one line (Megatron has no default)."""
+    from safetensors.torch import load_file
+
+    from mm_adaptor.cli import main
+    from mm_adaptor.data.shapes import make_shapes
+    from mm_adaptor.models.make_tiny_hf import make_tiny_hf
+
+    make_tiny_hf(str(tmp_path / "hf"), "qwen2_5_vl", seed=3)
+    shapes = make_shapes(str(tmp_path), count=8, seed=0)
+    assert main(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "mcore")]) == 0
+    command = ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--load", str(tmp_path / "mcore"),
+               "--data-path", shapes, "--split", "100,0,0", "--seq-length", "256", "--micro-batch-size", "1",
+               "--global-batch-size", "2", "--train-iters", "2", *QUICK, "--freeze-vision", "--freeze-language"]
+    refused = train(command)
+    assert refused.status == 2 and "--lr: missing, and Megatron-LM has no default" in refused.err, refused.err
+    run = train([*command, "--lr", "1e-3", "--save", str(tmp_path / "saved"), "--save-interval", "2"])
+    assert run.status == 0, run.err[-3000:]
+    assert f"--load {tmp_path / 'mcore'} is a converted checkpoint (weights only): it starts the run as --finetune" \
+        in run.out
+    assert main(["convert", "mcore-to-hf", str(tmp_path / "saved"), str(tmp_path / "back")]) == 0
+    original, back = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("hf", "back"))
+    assert sorted(original) == sorted(back)
+    changed = {name for name in original if not original[name].equal(back[name])}
+    assert changed and all(".merger." in name for name in changed), changed

@@ -129,8 +129,10 @@ def test_the_iteration_line_is_megatron_s_with_the_trainer_s_fields(tmp_path):
     assert len(lines) == 3, run.out[-3000:]
     for field in ("consumed samples", "elapsed time per iteration (ms)", "throughput per GPU (TFLOP/s/GPU)",
                   "learning rate", "lm loss", "grad norm", "tokens per sample", "tokens per second (padded)",
-                  "samples per second"):
+                  "samples per second", "peak memory (GiB, most loaded rank)"):
         assert len(run.field(field)) == 3, (field, lines[0])
+    peaks = [float(value) for value in run.field("peak memory (GiB, most loaded rank)")]
+    assert 0.1 < peaks[0] <= peaks[1] <= peaks[2] < 16, peaks  # a peak never falls; a CPU rank's RSS holds torch
     throughput = [float(value) for value in run.field("throughput per GPU (TFLOP/s/GPU)")]
     mfu = [value for value in run.field("MFU")]
     for tflops, text in zip(throughput, mfu):
