@@ -33,7 +33,7 @@ KNOWN_HARMLESS = (
     (re.compile(r"(?s)recommended to use a ModelConfig"),
      "megatron 0.19 recommending a ModelConfig; the trainer's families build from model providers"),
     (re.compile(r"GPTModel IS DEPRECATED"),
-     "megatron 0.19 deprecating GPTModel for HybridModel (the driver builds one with --hybrid-layer-pattern)"),
+     "megatron 0.19 deprecating GPTModel for HybridModel (the trainer builds one with --hybrid-layer-pattern)"),
 )
 
 

@@ -88,9 +88,9 @@ def pattern_problem(pattern: str) -> str | None:
             module, package = NEEDS_PACKAGE.get(symbol, (None, None))
             if module and not _has_package(module):
                 return (f"{shown}: {what} need the {package} package ({module}, CUDA kernels), which is not installed, "
-                        "and the driver builds only '*' (attention), '-' (MLP) and 'E' (MoE) layers: use those, or "
+                        "and mm_adaptor builds only '*' (attention), '-' (MLP) and 'E' (MoE) layers: use those, or "
                         "train this pattern with Megatron-LM's pretrain_hybrid.py")
-            return (f"{shown}: {what} are not built by the driver, only '*' (attention), '-' (MLP) and 'E' (MoE) "
+            return (f"{shown}: {what} are not built by mm_adaptor, only '*' (attention), '-' (MLP) and 'E' (MoE) "
                     "(megatron's spec for the others needs Transformer Engine): use those, or train this pattern "
                     "with Megatron-LM's pretrain_hybrid.py")
         return (f"{shown}: {symbol!r} is not a layer symbol: use '*' (attention), '-' (MLP), 'E' (MoE) and '|' "

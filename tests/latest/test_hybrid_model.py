@@ -1,9 +1,9 @@
-"""--hybrid-layer-pattern on the installed megatron-core (0.18 or newer: HybridModel): the driver builds the pattern's
+"""--hybrid-layer-pattern on the installed megatron-core (0.18 or newer: HybridModel): mm_adaptor builds the pattern's
 layers ('*' attention, '-' MLP, 'E' MoE, '|' pipeline segments) from megatron's local spec and trains them; every
 feature serving here passes check against unpatched Megatron on a HybridModel, grouped into few runs as
 test_features_on_latest_megatron.py groups them on the GPT, with each feature's mechanism seen at work on the
 hybrid layers (its wrappers called; swap-attention's host bytes and recompute-activation-function's freed bytes per
-layer kind; the extended schedules); patterns the driver cannot build are refused in one line."""
+layer kind; the extended schedules); patterns it cannot build are refused in one line."""
 
 import math
 import subprocess
@@ -141,7 +141,7 @@ def hybrid_args(*argv: str, nproc: int = 2):
     (["--hybrid-layer-pattern=*-||*-", "--pipeline-model-parallel-size", "2"], "empty pipeline segment"),
     (["--hybrid-layer-pattern=D-"], "DeepSeek sparse attention"),
 ])
-def test_what_the_driver_cannot_build_is_one_line_naming_it(argv, words):
+def test_what_mm_adaptor_cannot_build_is_one_line_naming_it(argv, words):
     with pytest.raises(LayoutError) as refused:
         finalize_args(hybrid_args(*argv), 2)
     assert len(refused.value.problems) == 1 and words in str(refused.value), str(refused.value)

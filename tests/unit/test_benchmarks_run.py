@@ -48,8 +48,8 @@ def test_benchmark_prints_its_table(script, args, rows):
     assert not any("nan" in line or "inf" in line for line in measured), stdout
 
 
-def test_vlm_throughput_runs_the_driver_and_the_transformers_peer():
-    """The device benchmark's CPU size (gpu_session.sh vlm runs it on a device): both driver runs and the peer
+def test_vlm_throughput_runs_the_trainer_and_the_transformers_peer():
+    """The device benchmark's CPU size (gpu_session.sh vlm runs it on a device): both trainer runs and the peer
     train, and the table holds their tokens/s, TFLOP/s, peak memory and ratios to the peer."""
     stdout = run_script("vlm_throughput.py", "--steps", "2", "--samples", "4", "--seq", "512", "--llm-layers", "2")
     header, rows = table_rows(stdout)

@@ -100,7 +100,9 @@ VERIFIED_0_19 = {"vpp-extra-warmup", "recompute-activation-function", "swap-atte
                  "virtual-optimizer", "context-parallel", "compat:torch-norm",
                  "compat:torch-adam-distributed-checkpoint",
                  "device:cpu:megatron-training",  # pretrain_gpt.py from core_v0.19.0 trains on the CPU
-                 "device:npu:megatron-training"}  # ... and on the FAKE npu
+                 "device:npu:megatron-training",  # ... and on the FAKE npu
+                 "trainer:megatron-training",  # the trainer's patches (tests/train, on 0.19.2)
+                 "compat:dataset-helpers-prebuilt"}  # megatron's dataset helpers without compiling them
 
 
 def test_what_passed_its_checks_on_0_19_serves_0_19_code_and_nothing_else_does(monkeypatch):

@@ -8,7 +8,20 @@ import json
 import pytest
 
 from mm_adaptor.mindspeed_mm import arguments, data_json, model_json
-from mm_adaptor.harness.runner import parse_args
+
+pytest.importorskip("megatron.training")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The trainer's check of a command (Megatron's parser and validation, their arguments translated): the
+    arguments, or the one line and SystemExit(2) the command gives."""
+    from mm_adaptor.train import UsageError, _fail, check
+
+    try:
+        return check(argv, under_torchrun=False)[0]
+    except UsageError as exc:
+        _fail(exc.problems)
+        raise SystemExit(2) from None
 
 # Facts: the arguments of examples/qwen2.5vl/finetune_qwen2_5_vl_{3b,7b,32b,72b}.sh in Ascend/MindSpeed-MM
 # (DISTRIBUTED_ARGS, GPT_ARGS, MM_ARGS, OUTPUT_ARGS and the torchrun line), as (name, value or None for a switch).
@@ -95,23 +108,39 @@ def test_the_docs_table_is_the_codes(monkeypatch):
     assert any(p.startswith("docs/mindspeed-mm.md differs") for p in docs_gen.stale())
 
 
+def _single_stage_7b(tmp_path) -> str:
+    """model_7b.json on one pipeline stage (the scripts' --pipeline-model-parallel-size 1)."""
+    model = json.loads(json.dumps(MODEL_7B))
+    model["text_decoder"]["pipeline_num_layers"] = [28]
+    model["image_encoder"]["vision_encoder"]["pipeline_num_layers"] = [32]
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(model))
+    return str(path)
+
+
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_every_script_parses_and_says_what_has_no_effect(script, capsys, monkeypatch):
+def test_every_script_parses_and_says_what_has_no_effect(script, tmp_path, monkeypatch):
+    pytest.importorskip("PIL")
+    from PIL import Image
+
+    from mm_adaptor.train.arguments import NOTES
+
     monkeypatch.setenv("MM_ADAPTOR_DEVICE", "cpu")  # what gloo sets, undone after the test
-    args = parse_args(_argv(SCRIPTS[script]))
-    printed = capsys.readouterr().out.splitlines()
+    data = _data(tmp_path)
+    Image.new("RGB", (28, 28)).save(tmp_path / "data" / "img" / "a.png")
+    args = parse_args(_argv(SCRIPTS[script], **{"--mm-model": _single_stage_7b(tmp_path), "--mm-data": data}))
     no_effect = [a.name for a in arguments.ARGUMENTS if a.kind == arguments.NO_EFFECT
                  and a.name in {n for n, _ in SCRIPTS[script]}]
-    assert sorted(line.split(": ")[1] for line in printed) == sorted(no_effect)
-    assert args.lr_warmup_iters == 1000  # 0.1 x 10000
-    assert args.timeout == 20 * 60
+    assert sorted(note.split(": ")[0] for note in NOTES if note.startswith("--") and ": no effect" in note
+                  and not note.startswith("--mm-data")) == sorted(no_effect), NOTES
+    assert (args.lr_warmup_fraction, args.train_iters, args.distributed_timeout_minutes) == (0.1, 10000, 20)
     assert (args.context_parallel_algo, args.use_fused_rmsnorm, args.bf16) == ("ulysses_cp_algo", True, True)
+    assert (args.model, args.split) == ("qwen2_5_vl", "100,0,0")
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--make-vocab-size-divisible-by", "128"], "pads the vocabulary"),
-    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], "both set the warm-up"),
-    (["--no-gradient-accumulation-fusion", "--gradient-accumulation-fusion"], "give one"),
+    (["--model", "qwen2_5_vl-tiny", "--make-vocab-size-divisible-by", "128"], "pads the vocabulary"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], "one of lr-warmup-fraction and lr-warmup-iters"),
     (["--tokenizer-type", "Qwen2TokenizerFS"], "invalid choice"),
 ])
 def test_refusals_are_one_line_before_anything_starts(argv, words, capsys):
@@ -158,14 +187,22 @@ def test_fields_without_effect_get_one_line_and_unknown_fields_are_refused():
         model_json.field_notes(model, "m.json")
 
 
-def _command(*extra) -> argparse.Namespace:
-    return parse_args(["--pipeline-model-parallel-size", "2", "--bf16", *extra])
+def _command(tmp_path, *extra, dtype=("--bf16",)) -> argparse.Namespace:
+    """A MindSpeed-MM command at PP2 on 2 local ranks, with their data.json."""
+    pytest.importorskip("PIL")
+    from PIL import Image
+
+    data = _data(tmp_path)
+    Image.new("RGB", (28, 28)).save(tmp_path / "data" / "img" / "a.png")
+    return parse_args(["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", *dtype, "--lr", "1e-5",
+                       "--micro-batch-size", "1", "--seq-length", "1024",
+                       "--mm-data", data, *extra])
 
 
 def test_the_7b_model_json_sets_the_split_and_the_freezing(tmp_path):
     path = tmp_path / "model.json"
     path.write_text(json.dumps(MODEL_7B))
-    args = _command("--mm-model", str(path))
+    args = _command(tmp_path, "--mm-model", str(path))
     assert (args.model, args.pipeline_layers) == ("qwen2_5_vl", "12,16")
     assert (args.freeze_vision, args.freeze_projector, args.freeze_language) == (True, True, False)
     assert args.init_method_std == 0.01 and args.hf_config["vision_config"]["window_size"] == 112
@@ -189,7 +226,7 @@ def test_model_json_contradictions_are_refused_naming_both(tmp_path, capsys, cha
     path = tmp_path / "model.json"
     path.write_text(json.dumps(model))
     with pytest.raises(SystemExit):
-        _command("--mm-model", str(path), *command)
+        _command(tmp_path, "--mm-model", str(path), *command)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
 
@@ -198,7 +235,7 @@ def test_a_dtype_other_than_the_commands_is_refused(tmp_path, capsys):
     path = tmp_path / "model.json"
     path.write_text(json.dumps(MODEL_7B))
     with pytest.raises(SystemExit):
-        parse_args(["--pipeline-model-parallel-size", "2", "--mm-model", str(path)])
+        _command(tmp_path, "--mm-model", str(path), dtype=())
     assert "vision_encoder is bf16 but the command trains in fp32" in capsys.readouterr().err
 
 
@@ -239,9 +276,9 @@ def _data(tmp_path, **basic):
 
 
 def test_data_json_maps_keys_images_pixels_and_tokenizer(tmp_path):
-    args = argparse.Namespace(data_path=None, tokenizer_model=None)
+    args = argparse.Namespace(data_path=None, tokenizer_model=None, split=None)
     notes = data_json.apply(args, _data(tmp_path))
-    records = json.loads(open(args.data_path).read())
+    records = json.loads(open(args.data_path[0]).read())
     assert records == [{"messages": [{"role": "system", "content": "Be brief."},
                                      {"role": "user", "content": "<image>What?"},
                                      {"role": "assistant", "content": "A cat."}],
@@ -251,18 +288,18 @@ def test_data_json_maps_keys_images_pixels_and_tokenizer(tmp_path):
     assert any("basic_parameters.cache_dir" in n and "no effect" in n for n in notes)
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "tokenizer.json").write_text("{}")
-    args = argparse.Namespace(data_path=None, tokenizer_model=None)
+    args = argparse.Namespace(data_path=None, tokenizer_model=None, split=None)
     data_json.apply(args, _data(tmp_path / "again"))
     assert args.tokenizer_model is None  # the other folder's hf/ has no tokenizer
-    args = argparse.Namespace(data_path=None, tokenizer_model=None)
+    args = argparse.Namespace(data_path=None, tokenizer_model=None, split=None)
     path = _data(tmp_path / "third")
     (tmp_path / "third" / "hf").mkdir()
     (tmp_path / "third" / "hf" / "tokenizer.json").write_text("{}")
     data_json.apply(args, path)
     assert args.tokenizer_model == str(tmp_path / "third" / "hf")
-    args = argparse.Namespace(data_path=None, tokenizer_model=None)
+    args = argparse.Namespace(data_path=None, tokenizer_model=None, split=None)
     data_json.apply(args, _data(tmp_path / "fourth", max_samples=0))
-    assert json.loads(open(args.data_path).read()) == []
+    assert json.loads(open(args.data_path[0]).read()) == [] and args.split == "100,0,0"
 
 
 @pytest.mark.parametrize("basic, words", [
@@ -272,4 +309,5 @@ def test_data_json_maps_keys_images_pixels_and_tokenizer(tmp_path):
 ])
 def test_data_json_refusals(tmp_path, basic, words):
     with pytest.raises(data_json.DataJsonError, match=words):
-        data_json.apply(argparse.Namespace(data_path=None, tokenizer_model=None), _data(tmp_path, **basic))
+        data_json.apply(argparse.Namespace(data_path=None, tokenizer_model=None, split=None),
+                        _data(tmp_path, **basic))

@@ -127,19 +127,19 @@ def test_at_context_parallel_2_each_sample_is_padded_to_split_and_each_rank_take
 
 
 REFUSED = [
-    (["--packing", "--micro-batch-size", "2"], "give --micro-batch-size 1, not 2"),
-    (["--packing", "--micro-batch-size", "1", "--pipeline-model-parallel-size", "2",
+    (["--packing", "--micro-batch-size", "2", "--attention-dropout", "0"], "give --micro-batch-size 1, not 2"),
+    (["--packing", "--micro-batch-size", "1", "--attention-dropout", "0", "--pipeline-model-parallel-size", "2",
       "--num-layers-per-virtual-pipeline-stage", "1", "--num-layers", "4"], "drop --num-layers-per-virtual-pipeline"),
     (["--packing", "--micro-batch-size", "1", "--attention-dropout", "0.1"], "give --attention-dropout 0"),
     (["--mock-lengths", "skewed", "--model", "qwen2_5_vl-tiny", "--data-path", "pyproject.toml"],
      "drop it for --model qwen2_5_vl-tiny with --data-path"),
-    (["--reset-attention-mask", "--packing", "--micro-batch-size", "1"],
+    (["--reset-attention-mask", "--packing", "--micro-batch-size", "1", "--attention-dropout", "0"],
      "--packing and --reset-attention-mask both split rows into samples"),
     (["--reset-position-ids", "--model", "qwen2_5_vl-tiny"],
      "fills the GPT's mock data rows with documents: drop --reset-position-ids"),
     (["--reset-attention-mask", "--reset-position-ids", "--mock-lengths", "skewed"],
      "--reset-attention-mask and --reset-position-ids give every row documents of skewed lengths already"),
-    (["--reset-attention-mask", "--context-parallel-size", "2", "--seq-length", "64"],
+    (["--reset-attention-mask", "--context-parallel-size", "2", "--seq-length", "64", "--attention-dropout", "0"],
      "--reset-attention-mask's document masks are not served"),
 ]
 
