@@ -117,3 +117,31 @@ def _destroy_single_rank() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+ITERATION_FIELD = r"\| {}(?: \([^)]*\))?: ([^|]+?) \|"  # "tokens per second (padded)" too
+
+
+def train_as_a_user(argv: list[str], timeout: float = 3600) -> dict:
+    """`mm-adaptor train argv`, the trainer on Megatron-LM's loop, as a user runs it, one iteration line per step:
+    the mean iteration ms and non-padding tokens/s of every step but the first (its compilation and warm-up), the
+    last line's peak memory (most loaded rank) and the last step's loss."""
+    import re
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "mm_adaptor.cli", "train", *argv, "--log-interval", "1",
+                           "--log-tps"], capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in done.stdout.splitlines() if re.search(r" iteration +\d+/ *\d+ \|", line)]
+    if done.returncode != 0 or len(lines) < 2:
+        raise SystemExit(f"mm-adaptor train {' '.join(argv)} failed or logged under 2 iterations:\n"
+                         f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+
+    def values(name: str) -> list[float]:
+        return [float(re.search(ITERATION_FIELD.format(re.escape(name)), line).group(1)) for line in lines]
+
+    later = slice(1, None)
+    return {"iteration_ms": statistics.mean(values("elapsed time per iteration (ms)")[later]),
+            "tokens_per_second": statistics.mean(values("tokens per second")[later]),
+            "peak_bytes": values("peak memory (GiB, most loaded rank)")[-1] * 2**30,
+            "loss": values("lm loss")[-1]}

@@ -15,12 +15,9 @@ import argparse
 import json
 import os
 import random
-import re
-import subprocess
-import sys
 import tempfile
 
-from _common import device_name, package_version
+from _common import device_name, package_version, train_as_a_user
 
 # (weight, image side or None): text-only questions beside small and large images (large: 32 x 32 patches, 256
 # merged tokens; small: 4 x 4 patches)
@@ -60,14 +57,12 @@ def sample_lengths(data: str, seq: int) -> list[int]:
     return [s.length for s in validate(data, load_tokenizer(None, tiny_config()), seq).samples]
 
 
-def train(argv: list[str], dump_dir: str):
-    """(non-padding tokens/s of the driver's summary: every iteration but the first; rank 0's dump)."""
-    from mm_adaptor.harness.runner.dump import read_dump
+def saved_bytes_per_layer(argv: list[str]) -> int:
+    """Bytes saved for backward per language layer in one micro-batch (the check harness's runner measures it)."""
+    from mm_adaptor.harness import runner
 
-    out = subprocess.run([sys.executable, "-m", "mm_adaptor.cli", "train", *argv, "--dump", dump_dir],
-                         capture_output=True, text=True, check=True).stdout
-    summary = next(line for line in out.splitlines() if "training summary" in line)
-    return float(re.search(r"tokens per second ([0-9.]+)", summary)[1]), read_dump(dump_dir, 1)
+    dump = runner.run(runner.parse_args([*argv, "--train-iters", "1"]))
+    return sum(dump.memory["saved_bytes_per_layer"].values())
 
 
 def main() -> None:
@@ -86,7 +81,7 @@ def main() -> None:
         lengths = sample_lengths(data, args.seq)
         base = ["--model", "qwen2_5_vl-tiny", "--data-path", data, "--num-layers", str(args.layers),
                 "--seq-length", str(args.seq), "--micro-batch-size", "1", "--global-batch-size", str(args.samples),
-                "--train-iters", str(args.steps), "--seed", str(args.seed), "--nproc-per-node", "1"]
+                "--seed", str(args.seed), "--nproc-per-node", "1"]
         real = packs = 0
         for step in range(args.steps):
             chosen = [lengths[i] for i in global_batch_indices(step, args.samples, len(lengths), args.seed)]
@@ -94,14 +89,15 @@ def main() -> None:
             packs += len(first_fit_decreasing(chosen, args.seq))
         rows = {}
         for name, extra in (("padded", []), ("packed", ["--packing"])):
-            rate, dump = train([*base, *extra], os.path.join(folder, name))
+            run = train_as_a_user([*base, *extra, "--train-iters", str(args.steps), "--calculate-per-token-loss",
+                                   "--attention-dropout", "0", "--eval-iters", "0"])
             micro = args.steps * args.samples if name == "padded" else packs
-            saved = sum(dump.memory["saved_bytes_per_layer"].values())
-            rows[name] = (micro / args.steps, real / (micro * args.seq), rate, saved, dump.losses[-1])
+            saved = saved_bytes_per_layer([*base, *extra])
+            rows[name] = (micro / args.steps, real / (micro * args.seq), run["tokens_per_second"], saved, run["loss"])
     print(f"# {device_name('cpu')}, megatron-core {package_version('megatron-core')}; tiny Qwen2.5-VL, "
           f"{args.layers} language layers, fp32, seq {args.seq}, {args.samples} samples per step ({MIX[0][0]:.0%} "
           f"text only, {MIX[1][0]:.0%} {MIX[1][1]}px, {MIX[2][0]:.0%} {MIX[2][1]}px images), {args.steps} steps, "
-          f"one rank; tokens/s: the driver's summary (every step but the first)")
+          f"one rank; tokens/s: Megatron's iteration lines (--log-tps, every step but the first)")
     print("| batches | micro-batches per step | non-padding of processed | non-padding tokens/s | "
           "saved bytes of one micro-batch | last loss |")
     print("|---|---|---|---|---|---|")

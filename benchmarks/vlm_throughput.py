@@ -2,8 +2,8 @@
 randomly initialised from an HF config (Qwen2.5-VL-3B's shapes on a device, a reduced model on the CPU), trained on
 generated image data, the vision tower frozen (the projector trains), bf16, by
 
-- the driver, packed to --seq tokens (--packing), without fused kernels;
-- the driver, packed, with --use-fused-rmsnorm --use-fused-swiglu --use-fused-rotary-pos-emb --use-flash-attn;
+- `mm-adaptor train` (Megatron-LM's loop), packed to --seq tokens (--packing), without fused kernels;
+- `mm-adaptor train`, packed, with --use-fused-rmsnorm --use-fused-swiglu --use-fused-rotary-pos-emb --use-flash-attn;
 - the peer: transformers' own Qwen2_5_VLForConditionalGeneration in a plain PyTorch loop (AdamW, fp32 weights under
   bf16 autocast), the same samples of each step one per micro-batch, unpadded (its padding-free packed path needs
   flash-attn 2, which this peer does not assume).
@@ -26,8 +26,8 @@ import sys
 import tempfile
 import time
 
-from _common import device_name, package_version
-from vlm_packing import make_data, train as driver_train
+from _common import device_name, package_version, train_as_a_user
+from vlm_packing import make_data
 
 FUSED = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb", "--use-flash-attn"]
 # (weight, image side): generated images of 4 x 4 to 32 x 32 patches (16 to 256 merged tokens)
@@ -124,12 +124,12 @@ def peer(opts) -> dict:
     return {"tokens_per_second": tokens / seconds, "peak_bytes": peak_bytes(device), "loss": loss}
 
 
-def ours(opts, extra: list[str], folder: str) -> dict:
+def ours(opts, extra: list[str]) -> dict:
     argv = ["--hf-config", opts.config, "--data-path", opts.data, "--seq-length", str(opts.seq),
             "--micro-batch-size", "1", "--global-batch-size", str(opts.samples), "--train-iters", str(opts.steps),
-            "--seed", str(opts.seed), "--packing", "--freeze-vision", "--bf16", "--nproc-per-node", "1", *extra]
-    rate, dump = driver_train(argv, folder)
-    return {"tokens_per_second": rate, "peak_bytes": dump.memory["peak_bytes"], "loss": dump.losses[-1]}
+            "--seed", str(opts.seed), "--packing", "--freeze-vision", "--bf16", "--nproc-per-node", "1", "--lr", "1e-5",
+            "--calculate-per-token-loss", "--attention-dropout", "0", "--eval-iters", "0", *extra]
+    return train_as_a_user(argv)
 
 
 def timed_samples(opts) -> list[tuple[int, list]]:
@@ -175,7 +175,7 @@ def main() -> None:
         language, vision = step_flops(hf, timed)
         tokens = sum(n for n, _ in timed)
         for name, extra in (("mm-adaptor, unfused", []), ("mm-adaptor, fused", FUSED)):
-            rows[name] = ours(opts, extra, os.path.join(folder, name.replace(", ", "-")))
+            rows[name] = ours(opts, extra)
         argv = [a for a in sys.argv[1:]] + ["--peer-worker", "--config", opts.config, "--data", opts.data,
                                            "--seq", str(opts.seq), "--samples", str(opts.samples)]
         done = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], capture_output=True, text=True)

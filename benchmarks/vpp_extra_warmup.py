@@ -1,15 +1,14 @@
 """--vpp-extra-warmup on the CPU: wall-clock per training step of megatron's interleaved schedule with and without
 the extra warm-up, PP2+VPP2 (2 gloo ranks) and PP4+VPP2 (4 gloo ranks), one configuration after the other in one
-run, each a fresh `mm-adaptor train`; the mean iteration time is the driver's own (first iteration excluded).
+run, each a fresh `mm-adaptor train` (Megatron-LM's loop); the mean of Megatron's iteration times, the first excluded.
 Then `mm-adaptor schedule`'s prediction for the same runs, fed with the forward and backward time per model chunk
 that the feature measured in the run (first stage), and the peak micro-batches the first stage held."""
 
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
-import sys
+
+from _common import train_as_a_user
 
 LAYOUTS = {
     "PP2+VPP2": ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--nproc-per-node", "2"],
@@ -17,15 +16,13 @@ LAYOUTS = {
 }
 
 
+# The same in both runs and outside the timed steps: Megatron's fusions compile at start (seconds to minutes on a
+# CPU), its evaluation runs after training, loader workers start with the ranks.
+OUTSIDE_THE_STEPS = ["--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--eval-iters", "0", "--num-workers", "0"]
+
+
 def mean_iteration_ms(argv: list[str]) -> float:
-    done = subprocess.run([sys.executable, "-m", "mm_adaptor.cli", "train", *argv], capture_output=True, text=True,
-                          timeout=1800)
-    if done.returncode != 0:
-        raise SystemExit(f"mm-adaptor train {' '.join(argv)} failed:\n{done.stderr[-3000:]}")
-    found = re.search(r"mean iteration ([\d.]+) ms", done.stdout + done.stderr)
-    if not found:
-        raise SystemExit(f"no training summary in the output of mm-adaptor train {' '.join(argv)}")
-    return float(found.group(1))
+    return train_as_a_user([*argv, *OUTSIDE_THE_STEPS], timeout=1800)["iteration_ms"]
 
 
 def measured_chunk_costs(argv: list[str]) -> dict:
