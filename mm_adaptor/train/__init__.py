@@ -31,8 +31,10 @@ def _fail(problems) -> int:
 def check(argv: list[str], *, under_torchrun: bool):
     """Parse, prepare and validate the command line as the ranks will (Megatron's parser and validation, the
     features', the family's, the data's), quietly: library notices of the imports are the ranks' to report (they
-    replay them). Returns (args, what the ranks are handed); raises UsageError. A bad flag or value exits 2 from
-    the parser (one line)."""
+    replay them); under torchrun this process is a rank, and reports them. Returns (args, what the ranks are
+    handed); raises UsageError. A bad flag or value exits 2 from the parser (one line)."""
+    if under_torchrun:
+        return _check(argv, under_torchrun)
     with _library_notices_silenced():
         return _check(argv, under_torchrun)
 
@@ -140,7 +142,13 @@ def main(argv=None) -> int:
     if "-h" in argv or "--help" in argv:
         return _print_help()
     torchrun = under_launcher()
-    if not torchrun:
+    if torchrun:  # this process is the rank: it reports its imports' notices itself, once across the ranks
+        from mm_adaptor.ranks.warning_digest import VERBOSE_ENV, print_every_ranks_warnings_once
+
+        if "--verbose" in argv:  # what parsing it sets, before the imports it follows
+            os.environ[VERBOSE_ENV] = "1"
+        print_every_ranks_warnings_once(int(os.environ["RANK"]))
+    else:
         from mm_adaptor.ranks.process import start_rank_server
 
         start_rank_server()
@@ -151,9 +159,6 @@ def main(argv=None) -> int:
     from mm_adaptor.train import arguments, engine
 
     if torchrun:
-        from mm_adaptor.ranks.warning_digest import print_every_ranks_warnings_once
-
-        print_every_ranks_warnings_once(int(os.environ["RANK"]))
         engine.run_rank(argv, handoff)
         return 0
     nodes = Nodes(count=args.nnodes, rank=args.node_rank, addr=args.master_addr or "127.0.0.1",
