@@ -17,6 +17,15 @@ NOTE_LINE = re.compile(r"^note: \d+ known-harmless library notices? not shown \(
 WARNING_TEXT = re.compile(r"Warning|warning:|warnings\.warn|Traceback")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def native_ops_built():
+    """The native ops' first use builds them and says so, line by line (minutes from empty caches, as on a fresh CI
+    machine); judged here is what a run prints once that is done."""
+    from mm_adaptor.ops import builder
+
+    builder.build("cpu")
+
+
 def _cli(*argv: str) -> subprocess.CompletedProcess:
     # as a user runs it: the suite's PYTHONWARNINGS=ignore (tests/conftest.py) would hide what is being tested
     env = {key: value for key, value in os.environ.items() if key not in ("MM_ADAPTOR_VERBOSE", "PYTHONWARNINGS")}
