@@ -55,3 +55,12 @@ def pytest_sessionfinish(session, exitstatus):
 def single_rank_megatron():
     with one_gloo_rank():
         yield
+
+
+@pytest.fixture(scope="session")
+def native_ops_built():
+    """For tests that judge what a command prints: the native ops' first use builds them and says so, line by line
+    (minutes from empty caches, as on a fresh CI machine); the command's own printout comes after that."""
+    from mm_adaptor.ops import builder
+
+    builder.build("cpu")

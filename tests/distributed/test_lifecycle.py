@@ -292,7 +292,7 @@ def test_a_slow_rank_that_keeps_progressing_is_not_hung(tmp_path):
     _assert_all_gone(_rank_processes(tmp_path), within=5)
 
 
-def test_an_interrupted_check_stops_its_ranks_with_one_line(tmp_path):
+def test_an_interrupted_check_stops_its_ranks_with_one_line(tmp_path, native_ops_built):
     command = [sys.executable, "-m", "mm_adaptor.cli", "check", "--optimize-vocab-parallel-ce", "--layout", "tp2",
                "--iters", "100000", "--no-baseline-cache", *CHECK_TINY]
     with open(tmp_path / "stderr", "wb") as err:

@@ -8,22 +8,13 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("native_ops_built")]  # the build's own lines
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--vocab-size", "128"]
 ITERATION_LINE = re.compile(r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?\] iteration +\d+/ +\d+ \| consumed samples:")
 NOTE_LINE = re.compile(r"^note: \d+ known-harmless library notices? not shown \(.*\); --verbose shows them$")
 WARNING_TEXT = re.compile(r"Warning|warning:|warnings\.warn|Traceback")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def native_ops_built():
-    """The native ops' first use builds them and says so, line by line (minutes from empty caches, as on a fresh CI
-    machine); judged here is what a run prints once that is done."""
-    from mm_adaptor.ops import builder
-
-    builder.build("cpu")
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
