@@ -93,7 +93,7 @@ def test_a_dynamic_rope_checkpoint_refuses_a_longer_seq_length_before_any_rank(t
     (tmp_path / "hf" / "config.json").write_text(json.dumps(tiny_hf_config_dict(config)))
     data = make_shapes(str(tmp_path / "shapes"), count=2, seed=0)
     argv = ["--model", "internvl", "--load", str(tmp_path), "--data-path", data, "--nproc-per-node", "1",
-            "--train-iters", "1", "--micro-batch-size", "1"]
+            "--train-iters", "1", "--micro-batch-size", "1", "--lr", "1e-3"]
     if importlib.util.find_spec("megatron.training") is not None:  # the trainer refuses it before any rank
         from trainer_runs import train as trainer
 
