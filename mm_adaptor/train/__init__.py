@@ -33,9 +33,7 @@ def check(argv: list[str], *, under_torchrun: bool):
     features', the family's, the data's), quietly: library notices of the imports are the ranks' to report (they
     replay them); under torchrun this process is a rank, and reports them. Returns (args, what the ranks are
     handed); raises UsageError. A bad flag or value exits 2 from the parser (one line)."""
-    if under_torchrun:
-        return _check(argv, under_torchrun)
-    with _library_notices_silenced():
+    with contextlib.nullcontext() if under_torchrun else _library_notices_silenced():
         return _check(argv, under_torchrun)
 
 
@@ -185,7 +183,9 @@ def _last_checkpoint(save) -> str:
     """Where a resume starts: the save Megatron's tracker file names (a save cut short never moved it)."""
     if not save:
         return " (no --save: nothing saved)"
-    tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
+    from mm_adaptor.convert.mcore_io import MARKER
+
+    tracker = os.path.join(save, MARKER)
     try:
         with open(tracker) as file:
             iteration = file.read().strip()

@@ -229,7 +229,9 @@ def _converted_load(args) -> list[str]:
 
 def saved_arguments(load: str):
     """The arguments a Megatron torch_dist save under `load` was trained with (its marker's iteration), or None."""
-    marker = Path(load) / "latest_checkpointed_iteration.txt"
+    from mm_adaptor.convert.mcore_io import MARKER
+
+    marker = Path(load) / MARKER
     if not marker.is_file() or not marker.read_text().strip().isdigit():
         return None
     directory = Path(load) / f"iter_{int(marker.read_text()):07d}"
