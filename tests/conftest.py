@@ -51,6 +51,24 @@ def pytest_sessionfinish(session, exitstatus):
                 json.dump(recorded, f, indent=1, sort_keys=True)
 
 
+@pytest.fixture(autouse=True)
+def warnings_routed_as_before():
+    """A command run in the test's own process may act as a rank (RANK and WORLD_SIZE set: torchrun's) and route
+    warnings to its launcher for good, as a rank process does; the next test gets the routing it had."""
+    import logging
+    import warnings
+
+    from mm_adaptor.ranks import warning_digest
+
+    root, torch_notes = logging.getLogger(), logging.getLogger(warning_digest.TORCH_CPP_EXTENSION_LOGGER)
+    handlers, filters, show = list(root.handlers), list(torch_notes.filters), warnings.showwarning
+    yield
+    root.handlers[:] = handlers
+    torch_notes.filters[:] = filters
+    warnings.showwarning = show
+    warning_digest._undo_command_forwarding = None
+
+
 @pytest.fixture
 def single_rank_megatron():
     with one_gloo_rank():
