@@ -38,36 +38,35 @@ class Definition:
         return "\n".join(ast.get_source_segment(self.source, node, padded=True) or "" for node in self.statements)
 
 
-def _strip_docstrings(node: ast.AST) -> ast.AST:
-    node = _copy(node)
-    for item in ast.walk(node):
-        body = getattr(item, "body", None)
-        if (isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)) and body
-                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
-            item.body = body[1:] or [ast.Pass()]
-    return node
+_DOCUMENTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)
 
 
-def _copy(node: ast.AST) -> ast.AST:
-    return copy.deepcopy(node)  # the parsed trees are cached: strip docstrings from a copy
+def _without_docstring(body: list) -> list:
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(
+            body[0].value.value, str):
+        return body[1:] or [ast.Pass()]
+    return body
 
 
-def canonical(value) -> str:
+def canonical(value, *, docstrings: bool = True) -> str:
     """The tree as text, without positions and without empty fields, so that the same code reads the same on every
-    Python (3.12 added FunctionDef.type_params, empty for code that has none; ast.dump would print it)."""
+    Python (3.12 added FunctionDef.type_params, empty for code that has none; ast.dump would print it). Without
+    docstrings, each def's, class's and module's leading string is left out (a body of only that reads `Pass()`)."""
     if isinstance(value, ast.AST):
-        fields = ((name, getattr(value, name, None)) for name in value._fields)
+        fields = [(name, getattr(value, name, None)) for name in value._fields]
+        if not docstrings and isinstance(value, _DOCUMENTED):
+            fields = [(name, _without_docstring(item) if name == "body" else item) for name, item in fields]
         return f"{type(value).__name__}(" + ", ".join(
-            f"{name}={canonical(item)}" for name, item in fields if item is not None and item != []) + ")"
+            f"{name}={canonical(item, docstrings=docstrings)}" for name, item in fields
+            if item is not None and item != []) + ")"
     if isinstance(value, list):
-        return "[" + ", ".join(canonical(item) for item in value) + "]"
+        return "[" + ", ".join(canonical(item, docstrings=docstrings) for item in value) + "]"
     return repr(value)
 
 
 def fingerprint_statements(statements) -> str:
     """16 hex digits for the statements' code: positions, comments, formatting and docstrings do not count."""
-    dumped = "\n".join(canonical(_strip_docstrings(node)) for node in statements)
+    dumped = "\n".join(canonical(node, docstrings=False) for node in statements)
     return hashlib.sha256(dumped.encode()).hexdigest()[:16]
 
 
