@@ -23,7 +23,7 @@ import wrapt
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from mm_adaptor.versions import source_fingerprint
+from mm_adaptor.versions import fingerprint_cache
 from mm_adaptor.core.errors import ConfigurationError
 
 ALLOW_MISMATCH_ENV = "MM_ADAPTOR_ALLOW_CONTRACT_MISMATCH"
@@ -151,7 +151,7 @@ _live: dict[str, str | None] = {}
 def live_fingerprint(target: str) -> str | None:
     """The installed target's fingerprint (from its source file, normalised as the table is); None if undefined."""
     if target not in _live:
-        _live[target] = source_fingerprint.installed_fingerprint(target, signature_only=target in SIGNATURE_ONLY)
+        _live[target] = fingerprint_cache.installed_fingerprint(target, signature_only=target in SIGNATURE_ONLY)
     return _live[target]
 
 
