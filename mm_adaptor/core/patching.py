@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import wrapt
 
+from mm_adaptor.core import module_scan
 from mm_adaptor.versions.contracts import (  # noqa: F401  (the contract API is used through this module)
     ALLOW_MISMATCH_ENV,
     SUPPORTED_MEGATRON_CORE,
@@ -68,21 +69,6 @@ def active_patches() -> list["Patch"]:
     return list(_ACTIVE)
 
 
-def _holders(prefixes: tuple[str, ...], objects: list) -> dict[int, list[tuple[str, Any, str]]]:
-    """id(obj) -> (module name, module, attribute) for every module under `prefixes` holding obj: one pass over
-    sys.modules for any number of objects (it holds thousands of modules)."""
-    found: dict[int, list[tuple[str, Any, str]]] = {id(obj): [] for obj in objects}
-    for mod_name, module in list(sys.modules.items()):
-        namespace = getattr(module, "__dict__", None) if module is not None and mod_name.startswith(prefixes) else None
-        if not isinstance(namespace, dict) or found.keys().isdisjoint(map(id, list(namespace.values()))):
-            continue  # most modules: the test above is one pass in C
-        for attr, value in list(namespace.items()):
-            holders = found.get(id(value))
-            if holders is not None:
-                holders.append((mod_name, module, attr))
-    return found
-
-
 def _installed_holders(patches: list) -> dict["Patch", list[tuple[Any, str]]] | None:
     """For each patch, the modules holding its installed object, from one scan; None when two patches share a
     target (reverting one changes what the other must find: each scans for itself then)."""
@@ -90,7 +76,7 @@ def _installed_holders(patches: list) -> dict["Patch", list[tuple[Any, str]]] | 
     if len({p.target for p in following}) != len(following):
         return None
     prefixes = tuple({prefix for p in following for prefix in p._prefixes(p._owner)})
-    found = _holders(prefixes, [p._installed for p in following]) if following else {}
+    found = module_scan.holders(prefixes, [p._installed for p in following]) if following else {}
     return {p: [(module, attr) for name, module, attr in found[id(p._installed)]
                 if module is not p._owner and name.startswith(p._prefixes(p._owner))] for p in following}
 
@@ -183,7 +169,7 @@ class Patch:
                 return klass.__dict__[name], False
         return getattr(owner, name, _MISSING), False
 
-    def apply(self, *, scanned: "_Scan | None" = None) -> None:
+    def apply(self, *, scanned: "module_scan.Scan | None" = None) -> None:
         """`scanned`: where the original is held, when the caller scanned for it (PatchSet scans for all at once)."""
         if self.applied:
             raise PatchError(f"{self!r} is already applied")
@@ -214,10 +200,10 @@ class Patch:
 
     def _holders_of(self, owner, obj) -> list[tuple[Any, str]]:
         """(module, attribute) for every module under the rebind prefixes (owner excluded) holding obj."""
-        return [(module, attr) for name, module, attr in _holders(self._prefixes(owner), [obj])[id(obj)]
+        return [(module, attr) for name, module, attr in module_scan.holders(self._prefixes(owner), [obj])[id(obj)]
                 if module is not owner]
 
-    def _rebind_copies(self, owner, original, installed, scanned: "_Scan | None" = None) -> None:
+    def _rebind_copies(self, owner, original, installed, scanned: "module_scan.Scan | None" = None) -> None:
         known = scanned and scanned.holders_of(original, self._prefixes(owner))  # None: scan here
         holders = self._holders_of(owner, original) if known is None else [
             (module, attr) for module, attr in known if module is not owner and module.__dict__.get(attr) is original]
@@ -285,6 +271,7 @@ class ModulePatch:
             raise PatchError(f"{self.target} is already applied")
         self._previous = sys.modules.get(self.name, _MISSING)
         sys.modules[self.name] = self.module
+        module_scan.note_module_replaced()
         self.applied = True
         _ACTIVE.append(self)
 
@@ -295,41 +282,28 @@ class ModulePatch:
             sys.modules.pop(self.name, None)
         else:
             sys.modules[self.name] = self._previous
+        module_scan.note_module_replaced()
         self.applied = False
         _ACTIVE.remove(self)
 
 
-class _Scan:
-    """One pass over sys.modules for all originals of a set's patches before any is applied (a pass per patch cost
-    ~1 s per rank start). Equal to passes per patch: targets resolved (modules imported) first, a holder used only
-    while it still holds the original; module patches, repeated targets and originals a patch installs: per patch."""
-
-    def __init__(self, found: dict[int, tuple[Any, list]], prefixes: tuple[str, ...]):
-        self._found, self._prefixes = found, prefixes
-
-    @classmethod
-    def before_applying(cls, patches: list) -> "_Scan | None":
-        if any(not isinstance(p, Patch) for p in patches) or len({p.target for p in patches}) != len(patches):
-            return None
-        originals, prefixes, installing = {}, set(), {id(p.new) for p in patches}
-        for patch in patches:
-            try:
-                owner, name = resolve(patch.target)
-            except PatchError:
-                continue  # its own apply raises
-            original, _ = Patch._raw_attribute(owner, name)
-            if (original is not _MISSING and not isinstance(owner, type) and _has_identity(original)
-                    and id(original) not in installing):
-                originals[id(original)] = original
-                prefixes.update(patch._prefixes(owner))
-        found = _holders(tuple(sorted(prefixes)), list(originals.values()))
-        return cls({key: (obj, found[key]) for key, obj in originals.items()}, tuple(sorted(prefixes)))
-
-    def holders_of(self, original, prefixes: tuple[str, ...]) -> list[tuple[Any, str]] | None:
-        entry = self._found.get(id(original))
-        if entry is None or entry[0] is not original or not set(prefixes) <= set(self._prefixes):
-            return None
-        return [(module, attr) for name, module, attr in entry[1] if name.startswith(prefixes)]
+def _scan_before_applying(patches: list) -> "module_scan.Scan | None":
+    """One scan for all originals of `patches` before any is applied; None (each patch scans for itself) with module
+    patches or repeated targets. Originals a patch installs are left to their patch."""
+    if any(not isinstance(p, Patch) for p in patches) or len({p.target for p in patches}) != len(patches):
+        return None
+    originals, prefixes, installing = {}, set(), {id(p.new) for p in patches}
+    for patch in patches:
+        try:
+            owner, name = resolve(patch.target)
+        except PatchError:
+            continue  # its own apply raises
+        original, _ = Patch._raw_attribute(owner, name)
+        if (original is not _MISSING and not isinstance(owner, type) and _has_identity(original)
+                and id(original) not in installing):
+            originals[id(original)] = original
+            prefixes.update(patch._prefixes(owner))
+    return module_scan.Scan(list(originals.values()), tuple(sorted(prefixes)))
 
 
 class PatchSet:
@@ -357,10 +331,11 @@ class PatchSet:
     def provide_module(self, name: str, module) -> ModulePatch:
         return self.add(ModulePatch(name, module, feature=self.name))
 
-    def apply(self) -> None:
+    def apply(self, *, scanned: "module_scan.Scan | None" = None) -> None:
+        """`scanned`: apply_all's one scan for several sets."""
         done: list[Patch] = []
         try:
-            scanned = _Scan.before_applying(self._patches)
+            scanned = scanned or _scan_before_applying(self._patches)
             for patch in self._patches:
                 patch.apply(scanned=scanned) if isinstance(patch, Patch) else patch.apply()
                 done.append(patch)
@@ -396,3 +371,18 @@ class PatchSet:
 
     def __repr__(self) -> str:
         return f"<PatchSet {self.name}: {len(self)} patches>"
+
+
+def apply_all(patch_sets: list[PatchSet]) -> None:
+    """Each set applied in order, all or none, with one scan of sys.modules for all their originals."""
+    scanned = _scan_before_applying([patch for patch_set in patch_sets for patch in patch_set
+                                     if isinstance(patch, Patch)])
+    applied: list[PatchSet] = []
+    try:
+        for patch_set in patch_sets:
+            patch_set.apply(scanned=scanned)
+            applied.append(patch_set)
+    except BaseException:
+        for patch_set in reversed(applied):
+            patch_set.revert()
+        raise

@@ -6,7 +6,7 @@ import torch
 import wrapt
 
 from mm_adaptor.core.errors import ConfigurationError
-from mm_adaptor.core.patching import PatchSet
+from mm_adaptor.core.patching import PatchSet, apply_all
 
 
 def legacy_fused_kernels_present() -> bool:
@@ -131,14 +131,11 @@ class DeviceBackend:
         if self.installed:
             return
         self._core_patches = self.core_patch_sets()
-        applied: list[PatchSet] = []
+        apply_all(self._core_patches)
         try:
-            for patch_set in self._core_patches:
-                patch_set.apply()
-                applied.append(patch_set)
             self._activate()
         except BaseException:
-            for patch_set in reversed(applied):
+            for patch_set in reversed(self._core_patches):
                 patch_set.revert()
             raise
         self.installed = True
@@ -162,9 +159,8 @@ class DeviceBackend:
         if not self.installed or self._training_patches:
             return
         sets = self.training_patch_sets()
-        for patch_set in sets:
-            patch_set.apply()
-            self._training_patches.append(patch_set)
+        apply_all(sets)
+        self._training_patches.extend(sets)
 
     def _activate(self) -> None:
         """Backend-specific process state beyond patches (e.g. a torch function mode)."""

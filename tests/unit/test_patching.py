@@ -226,13 +226,13 @@ def test_one_object_installed_on_two_targets_restores_each_copy_to_its_own_origi
 
 
 def test_a_patch_set_scans_the_modules_once_and_rebinds_as_patch_by_patch(fake, tmp_path, monkeypatch):
-    from mm_adaptor.core import patching
+    from mm_adaptor.core import module_scan
 
     name, a, b = fake
     (tmp_path / name / "c.py").write_text(f"from {name}.a import f, Child\nfrom {name}.a import f as alias\n")
     c = importlib.import_module(f"{name}.c")
-    scans, real_scan = [], patching._holders
-    monkeypatch.setattr(patching, "_holders", lambda *args: scans.append(args) or real_scan(*args))
+    scans, real_scan = [], module_scan.holders
+    monkeypatch.setattr(module_scan, "holders", lambda *args: scans.append(args) or real_scan(*args))
     other = type("Other", (), {})
 
     def make():  # the last wraps what the first rebound there
@@ -259,6 +259,37 @@ def test_a_patch_set_scans_the_modules_once_and_rebinds_as_patch_by_patch(fake, 
     assert expected[(c.__name__, "f")] == 0 and expected[(c.__name__, "Child")] == 1
     patches.revert()
     assert b.f is c.f is c.alias is a.f and c.alias(1) == 2 and c.Child is a.Child is not other
+
+
+def test_sets_applied_together_scan_once_unless_a_module_under_the_prefixes_arrives_between(fake, tmp_path,
+                                                                                           monkeypatch):
+    """apply_all: one scan for the sets' originals; a module imported between the sets (it may hold a copy) makes
+    the next patch scan again, and its copy is rebound as a scan of its own would."""
+    from mm_adaptor.core import module_scan
+    from mm_adaptor.core.patching import apply_all
+
+    name, a, b = fake
+    (tmp_path / name / "late.py").write_text(f"from {name}.b import call_f\n")
+    scans, real_scan = [], module_scan.holders
+    monkeypatch.setattr(module_scan, "holders", lambda *args: scans.append(args) or real_scan(*args))
+    first = PatchSet("first", [Patch(f"{name}.a.f", add_ten, mode="wrap")])
+    second = PatchSet("second", [Patch(f"{name}.b.call_f", add_ten, mode="wrap")])
+    apply_all([first, second])
+    assert len(scans) == 1 and b.f is a.f
+    for patch_set in (second, first):
+        patch_set.revert()
+    scans.clear()
+    original_call_f = b.call_f
+    importer = PatchSet("importer", [Patch(f"{name}.a.f", add_ten, mode="wrap")])
+    importer.apply = lambda scanned=None: (PatchSet.apply(importer, scanned=scanned),
+                                           importlib.import_module(f"{name}.late"))
+    apply_all([importer, second])
+    late = sys.modules[f"{name}.late"]
+    assert len(scans) == 2, "the module imported between the sets holds call_f: a scan of its own"
+    assert late.call_f is b.call_f is not original_call_f
+    second.revert()
+    PatchSet.revert(importer)
+    assert late.call_f is b.call_f is original_call_f
 
 
 def test_copy_rebound_by_someone_else_is_left_alone(fake):
