@@ -25,6 +25,7 @@ MODULES = (
     "megatron.training.training",  # the trainer's engine (absent from megatron-core 0.16's wheel)
     "megatron.training.checkpointing",
     "megatron.core.tokenizers.text",  # Megatron's tokenizers (transformers: seconds), built in every trainer rank
+    "mm_adaptor.ops",  # our ops' schemas with torch.library (0.2 s: torch reads each fake's source); kernels load later
 )
 NOTICES: list[str] = []  # what importing MODULES said, as a rank's warning forwarder words it
 

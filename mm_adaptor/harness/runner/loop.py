@@ -123,12 +123,14 @@ def run_rank(args: argparse.Namespace) -> None:
     report_progress("building")
     set_silent(args.silent)
     backend = devices.install()
-    packing = _packed_attention(args)  # first: a feature wrapping the same attention sees packed calls reach it
+    _packed_attention(args)  # first: a feature wrapping the same attention sees packed calls reach it
     mm_adaptor.enable(args)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend.set_local_device(int(os.environ.get("LOCAL_RANK", rank)))
     if not dist.is_initialized():
         dist.init_process_group(backend=backend.dist_backend, rank=rank, world_size=world)
+    # The patches stay applied: the rank's process ends after this (ranks.launcher), and reverting them took a
+    # tenth of a tiny run's rank.
     try:
         _train(args, backend)
     finally:
@@ -138,9 +140,6 @@ def run_rank(args: argparse.Namespace) -> None:
         parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
-        mm_adaptor.disable()
-        if packing is not None:
-            packing.revert()
 
 
 def _packed_attention(args):
