@@ -81,7 +81,8 @@ MM_ADAPTOR_TEST_LEG=newest bash scripts/test_latest_megatron.sh --ignore=tests/u
 # (both install this checkout in editable mode), beside the base leg's tests. (Installing them during the
 # multi-rank tests instead slowed those by more than the installs take.)
 legs=$(mktemp -d)
-( rc=0; MM_ADAPTOR_TEST_LEG=newest bash scripts/test_latest_megatron.sh tests/unit "$@" > "$legs/newest.log" 2>&1 || rc=$?
+( rc=0; MM_ADAPTOR_TEST_LEG=newest "${MM_ADAPTOR_LATEST_VENV:-.venv-latest}/bin/python" -m pytest -q -p no:cacheprovider tests/unit "$@" \
+    > "$legs/newest.log" 2>&1 || rc=$?  # .venv-latest is set up: no second editable install beside the base one's
   echo "$rc" > "$legs/newest.rc" ) &
 ( rc=0; bash scripts/setup.sh > "$legs/base.log" 2>&1 || rc=$?; touch "$legs/base.ready"
   [ "$rc" = 0 ] && { on_base "${BASE_LEG[@]}" "$@" >> "$legs/base.log" 2>&1 || rc=$?; }
