@@ -14,7 +14,7 @@ import pytest
 
 from mm_adaptor.versions import contracts
 
-from mm_adaptor.versions import source_fingerprint
+from mm_adaptor.versions import fingerprint_cache, source_fingerprint
 from mm_adaptor.versions.fingerprint_table import BASE, FINGERPRINTS
 from mm_adaptor.core.patching import Contract, Patch, PatchContractError, PatchContractWarning, PatchSet, resolve
 from mm_adaptor.versions.serving import (_switched_on, feature_states, feature_version_report,
@@ -169,6 +169,7 @@ def mlp_forward_changed(monkeypatch):
     for name in ("fused-swiglu", "recompute-activation-function"):  # as if verified on the base release only
         monkeypatch.setitem(contracts.VERIFIED_ON, name, (BASE,))
     monkeypatch.setattr(source_fingerprint, "installed_source", edit_one_line(CHANGED))
+    monkeypatch.setattr(fingerprint_cache, "_current", lambda: None)  # the files on disk did not change
     assert contracts.live_fingerprint(CHANGED) != FINGERPRINTS[CHANGED][BASE]
 
 
