@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 
 from mm_adaptor.ranks.warning_digest import forwarding
 
@@ -56,5 +57,19 @@ def _server_exits_without_teardown(server_pid: int = os.getpid()) -> None:
         os._exit(0)
 
 
+def _imported_by_the_server() -> bool:
+    """multiprocessing's forkserver imports this module from its main(); any other importer (a test, a tool) must
+    keep its own exit status."""
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == "main" and frame.f_code.co_filename.endswith(os.path.join("multiprocessing",
+                                                                                               "forkserver.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+
 _preload()
-atexit.register(_server_exits_without_teardown)
+EXITS_WITHOUT_TEARDOWN = _imported_by_the_server()
+if EXITS_WITHOUT_TEARDOWN:
+    atexit.register(_server_exits_without_teardown)

@@ -21,6 +21,8 @@ from mm_adaptor.ranks.launcher import launch
 def _record(path):
     state = {
         "preloaded": "mm_adaptor.ranks.preload" in sys.modules and "megatron.core" in sys.modules,
+        "server_exits_without_teardown": getattr(sys.modules.get("mm_adaptor.ranks.preload"),
+                                                 "EXITS_WITHOUT_TEARDOWN", None),
         "parent": os.getppid(),
         "marker": os.environ.get("MM_ADAPTOR_TEST_MARKER"),
         "torch_marker": os.environ.get("TORCH_TEST_MARKER"),
@@ -56,11 +58,23 @@ def test_ranks_fork_from_the_preloaded_server_and_nothing_leaks_between_runs(tmp
     state = json.loads(path.read_text())
     assert state["preloaded"], "the rank did not start from the server's imports"
     assert state["parent"] != os.getpid(), "a forked rank is the server's child, not the launcher's"
+    assert state["server_exits_without_teardown"] is True
 
     seen = tmp_path / "seen"
     for _ in range(2):
         launch(_patch_megatron_and_report, (str(seen),), nproc=2, timeout=120)
     assert seen.read_text().split() == ["False", "False"], "run 2 saw run 1's patch"
+
+
+def test_another_process_importing_the_server_s_preload_keeps_its_exit_status():
+    """The server's exit skips teardown with status 0; a process that merely imports the module (a test, a tool)
+    must not exit 0 whatever happened."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", "import mm_adaptor.ranks.preload as p; assert not "
+                           "p.EXITS_WITHOUT_TEARDOWN; raise SystemExit(3)"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 3, done.stderr[-2000:]
 
 
 def test_a_changed_environment_gets_a_new_server(tmp_path, fork_server, monkeypatch):
