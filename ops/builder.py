@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from mm_adaptor.core.cache import user_cache
+
 CACHE_ENV = "MM_ADAPTOR_OPS_CACHE"
 CSRC = Path(__file__).resolve().parent / "csrc"
 # Built on the machine that runs it (the cache key includes the CPU's feature flags), so -march=native is safe.
@@ -46,8 +48,7 @@ def cache_root() -> Path:
     configured = os.environ.get(CACHE_ENV)
     if configured:
         return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mm_adaptor" / "ops"
+    return user_cache("ops")
 
 
 DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}

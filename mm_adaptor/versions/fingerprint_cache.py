@@ -18,14 +18,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mm_adaptor.core.cache import user_cache
 from mm_adaptor.versions import source_fingerprint
 
 PACKAGE = "megatron"
 
 
 def cache_folder() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mm_adaptor" / "fingerprints"
+    return user_cache("fingerprints")
 
 
 def tree_key(roots: list[str]) -> str:
