@@ -142,15 +142,12 @@ def run_rank(args: argparse.Namespace) -> None:
             dist.destroy_process_group()
 
 
-def _packed_attention(args):
-    """--packing: the local spec's core attention takes megatron's PackedSeqParams (applied, or None)."""
-    if not getattr(args, "packing", False):
-        return None
-    from mm_adaptor.patches.transformer.packed_attention import patch_set
+def _packed_attention(args) -> None:
+    """--packing: the local spec's core attention takes megatron's PackedSeqParams."""
+    if getattr(args, "packing", False):
+        from mm_adaptor.patches.transformer.packed_attention import patch_set
 
-    patches = patch_set()
-    patches.apply()
-    return patches
+        patch_set().apply()
 
 
 def _build(args, device) -> RunState:
