@@ -127,7 +127,7 @@ def _generate(args) -> None:
     import torch.distributed as dist
 
     from mm_adaptor.data import images as image_ops
-    from mm_adaptor.data import load_tokenizer
+    from mm_adaptor.data.tokenizer import for_checkpoint
     from mm_adaptor.ranks.warning_digest import verbose
 
     if not verbose():  # library notices (no Transformer Engine/Apex, deprecations) are noise here
@@ -136,8 +136,7 @@ def _generate(args) -> None:
     model, config = load_model(args.load, tensor_model_parallel_size=args.tensor_model_parallel_size,
                                expert_model_parallel_size=args.expert_model_parallel_size)
     hf = Path(args.load) / "hf"
-    tokenizer = load_tokenizer(args.tokenizer_model or (str(hf) if (hf / "tokenizer.json").exists() else None),
-                               config)
+    tokenizer = for_checkpoint(args.tokenizer_model, args.load, config)
     processing = image_ops.ImageProcessing.for_directory(hf, config)
     input_ids, pixels, grid = prompt_inputs(tokenizer, args.prompt, args.image, processing)
     stops = {tokenizer.special_ids["<|im_end|>"], tokenizer.special_ids["<|endoftext|>"]}
@@ -168,14 +167,15 @@ def main(argv=None) -> int:
     problem = _layout_problem(args)
     if problem:
         parser.fail(problem)
-    from mm_adaptor.data import DataError, load_tokenizer
+    from mm_adaptor.data import DataError
+    from mm_adaptor.data.tokenizer import for_checkpoint
     from mm_adaptor.data import images as image_ops
     from mm_adaptor.ranks.launcher import LaunchError, launch, under_launcher
 
     try:  # the prompt's problems (tokenizer, image) in one line before any rank starts
         config = _config(args)
         hf = Path(args.load) / "hf"
-        load_tokenizer(args.tokenizer_model or (str(hf) if (hf / "tokenizer.json").exists() else None), config)
+        for_checkpoint(args.tokenizer_model, args.load, config)
         image_ops.ImageProcessing.for_directory(hf, config)
     except (DataError, ValueError) as exc:
         parser.fail(str(exc))

@@ -24,6 +24,17 @@ def did_you_mean(word: str, candidates) -> str:
     return f"did you mean {' or '.join(matches)}?" if matches else ""
 
 
+def count(text: str) -> int:
+    """An argument type: a whole number of 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid count: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: want 0 or more")
+    return value
+
+
 def _is_flag(token: str) -> bool:
     if not token.startswith("-") or token == "-":
         return False

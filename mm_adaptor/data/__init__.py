@@ -10,11 +10,12 @@
     batch = next(batches)   # dict, see mm_adaptor.data.vlm; batches.num_microbatches per iteration
     batches.report.skipped  # bad records skipped (skip_bad_samples=True), batches.report.bad: their lines
 
-Modules: records (reading, LLaVA conversion, DataError), images (Qwen's resize and patches), tokenizer, vlm
-(validation, token layout, sharding, collation), shapes (the generated dataset), cli (`mm-adaptor data`).
+Modules: records (reading, LLaVA conversion, DataError), images (Qwen's resize and patches), tokenizer, template
+(the chat template's ids), index (the data's index, built once), vlm (validation, sharding, collation), shapes (the
+generated dataset), cli (`mm-adaptor data`).
 Needs pillow (and transformers for a tokenizer directory): the vlm extra."""
 
-from mm_adaptor.data.records import DataError, llava_to_messages, read_records  # noqa: F401
+from mm_adaptor.data.records import DataError, llava_to_messages  # noqa: F401
 from mm_adaptor.data.tokenizer import (  # noqa: F401
     ByteTokenizer, HFTokenizer, SPECIAL_TOKENS, check_model_matches, load_tokenizer, model_token_ids,
 )

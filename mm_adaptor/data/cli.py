@@ -1,4 +1,4 @@
-"""`mm-adaptor data llava-to-messages | make-shapes | check`: a refusal is one line and exit status 2."""
+"""`mm-adaptor data llava-to-messages | make-shapes | check | prepare`: a refusal is one line and exit status 2."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 from mm_adaptor.core.one_line_parser import ArgumentParser, did_you_mean
 
-SUBCOMMANDS = ("llava-to-messages", "make-shapes", "check")
+SUBCOMMANDS = ("llava-to-messages", "make-shapes", "check", "prepare")
 
 
 def _parser(name: str) -> ArgumentParser:
@@ -23,8 +23,17 @@ def _parser(name: str) -> ArgumentParser:
         parser.add_argument("--count", type=int, default=64)
         parser.add_argument("--seed", type=int, default=0)
     else:
-        parser.description = "the validation pass: bad records, one line each, and the sample count"
+        if name == "check":
+            parser.description = "the validation pass: bad records, one line each, and the sample count"
+        else:
+            parser.description = ("the data's index, built once (a process per core) for the settings a training "
+                                  "run gives: later runs with the same data and settings open it in seconds")
         parser.add_argument("data_path", metavar="DATA")
+        if name == "prepare":
+            parser.add_argument("cache_dir", metavar="OUT", nargs="?", default=None,
+                                help="where indexes live: the trainer's --data-cache (default: the user cache, "
+                                     "$XDG_CACHE_HOME/mm_adaptor/data-index)")
+            parser.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
         parser.add_argument("--seq-length", type=int, required=True)
         parser.add_argument("--tokenizer-model", default=None, help="an HF tokenizer directory (default: bytes)")
         parser.add_argument("--image-min-pixels", type=int, default=None)
@@ -50,7 +59,10 @@ def main(argv: list[str]) -> int:
         print(f"mm-adaptor data: error: unknown subcommand {name!r}" + (f"; {hint}" if hint else ""),
               file=sys.stderr)
         return 2
-    args = _parser(name).parse_args(rest)
+    parser = _parser(name)
+    args = parser.parse_args(rest)
+    if getattr(args, "workers", None) is not None and args.workers < 1:
+        parser.error(f"argument --workers: {args.workers}: want 1 or more")
     try:
         return _run(name, args)
     except DataError as exc:
@@ -68,15 +80,23 @@ def _run(name, args) -> int:
 
         print(f"{args.count} samples written to {make_shapes(args.out_dir, args.count, args.seed)}")
     else:
-        from mm_adaptor.data.tokenizer import check_model_matches, load_tokenizer
+        from mm_adaptor.data.tokenizer import BYTE_TOKENIZER_NOTE, ByteTokenizer, check_model_matches, for_checkpoint
         from mm_adaptor.data.vlm import validate
 
-        config, processing, tokenizer_dir = _model_data(args)
-        tokenizer = load_tokenizer(tokenizer_dir, config)
+        config, processing = _model_data(args)
+        tokenizer = for_checkpoint(args.tokenizer_model, args.load, config)
+        if isinstance(tokenizer, ByteTokenizer):
+            print(BYTE_TOKENIZER_NOTE, file=sys.stderr)
         if config is not None:
             check_model_matches(tokenizer, config)
+        prepare = name == "prepare"
         report = validate(args.data_path, tokenizer, args.seq_length, args.image_min_pixels, args.image_max_pixels,
-                          args.max_samples, True, processing)
+                          args.max_samples, True, processing, getattr(args, "cache_dir", None),
+                          getattr(args, "workers", None), verbose=prepare)
+        if prepare:
+            print(f"{report.summary()}; the bad ones' lines: {report.samples.index.directory / 'bad.txt'}"
+                  if report.bad else report.summary())
+            return 0
         for line in report.bad:
             print(line)
         print(report.summary())
@@ -85,9 +105,8 @@ def _run(name, args) -> int:
 
 
 def _model_data(args):
-    """(model config, image preprocessing, tokenizer directory) of `check`: --load's family, preprocessing
-    (hf/preprocessor_config.json) and tokenizer (hf/, where it holds one), or --model NAME-tiny's; neither:
-    Qwen2.5-VL's defaults and bytes, as before."""
+    """(model config, image preprocessing) of `check` and `prepare`: --load's family and preprocessing
+    (hf/preprocessor_config.json), or --model NAME-tiny's; neither: Qwen2.5-VL's defaults."""
     from pathlib import Path
 
     from mm_adaptor.data.images import ImageProcessing
@@ -95,7 +114,7 @@ def _model_data(args):
     from mm_adaptor.models import registry
 
     if args.model is None and args.load is None:
-        return None, None, args.tokenizer_model
+        return None, None
     try:
         spec, tiny = registry.resolve(args.model) if args.model else (None, False)
         if spec is not None and spec.package is None:
@@ -104,7 +123,7 @@ def _model_data(args):
             if not tiny:
                 raise ValueError(f"--model {args.model} needs --load (a converted checkpoint), or {args.model}-tiny")
             config = spec.tiny_config()
-            return config, ImageProcessing.for_model(config), args.tokenizer_model
+            return config, ImageProcessing.for_model(config)
         if tiny:
             raise ValueError(f"--model {args.model} is a tiny preset; with --load give --model {spec.name} or none")
         found = registry.spec_for_directory(args.load)
@@ -112,7 +131,6 @@ def _model_data(args):
             raise ValueError(f"--model {args.model}: --load {args.load} holds a checkpoint of family {found.name}")
         hf = Path(args.load) / "hf"
         config = found.config_from_hf(registry.hf_config_of(args.load))
-        tokenizer_dir = args.tokenizer_model or (str(hf) if (hf / "tokenizer.json").exists() else None)
-        return config, ImageProcessing.for_directory(hf, config), tokenizer_dir
+        return config, ImageProcessing.for_directory(hf, config)
     except (ValueError, OSError) as exc:
         raise DataError(str(exc)) from None

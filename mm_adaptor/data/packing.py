@@ -147,6 +147,12 @@ class PackedBatches:
         self.tokens_this_step = 0  # non-padding tokens this rank packs in the current step
         self.padding_this_step = 0
 
+    def __getattr__(self, name):
+        """failed, bad_limit: those of the source `sample` belongs to (a data set's samples that failed to load)."""
+        if name in ("failed", "bad_limit"):
+            return getattr(getattr(self.sample, "__self__", None), name)
+        raise AttributeError(name)
+
     def step_indices(self, iteration: int) -> list[int]:
         """The global indices this rank reads in `iteration`: those of an unpacked run with micro-batch 1."""
         a = self.args

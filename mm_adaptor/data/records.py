@@ -31,6 +31,14 @@ class Record:
     order: tuple = (0, 0)  # (file index, record or line number): sorts reports in file order
 
 
+@dataclass
+class Sample:
+    """A validated record: its image grids (grid_thw per image, from the image's size) and its token count."""
+    record: Record
+    grids: list
+    length: int
+
+
 def data_files(data_path) -> list[str]:
     """A path, a comma-separated string of paths, or a list of them."""
     if isinstance(data_path, str):
@@ -38,50 +46,8 @@ def data_files(data_path) -> list[str]:
     return [os.path.abspath(os.path.expanduser(p.strip())) for p in data_path]
 
 
-def read_records(data_path, max_samples: int | None = None):
-    """(records, bad): records in file order; bad: (order, line) per record that cannot be parsed or lacks keys.
-    max_samples counts records read, good or bad, over all files."""
-    records, bad = [], []
-    for file_index, path in enumerate(data_files(data_path)):
-        if max_samples is not None and len(records) + len(bad) >= max_samples:
-            break
-        if not os.path.isfile(path):
-            raise DataError(f"data file {path} does not exist")
-        for where, raw, error in _raw_records(path):
-            if max_samples is not None and len(records) + len(bad) >= max_samples:
-                break
-            order = (file_index, int(where.split()[1]))
-            if error is None:
-                record, error = _record(path, where, raw)
-            if error is None:
-                record.order = order
-                records.append(record)
-            else:
-                bad.append((order, f"{path} {where}: {error}"))
-    return records, bad
-
-
-def _raw_records(path):
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if text.lstrip().startswith("["):
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError as exc:  # the whole file is lost: a refusal, not a skip
-            raise DataError(f"{path}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-        for number, item in enumerate(items, 1):
-            yield f"record {number}", item, None
-        return
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            yield f"line {number}", json.loads(line), None
-        except json.JSONDecodeError as exc:
-            yield f"line {number}", None, f"malformed JSON ({exc.msg} at column {exc.colno})"
-
-
-def _record(path, where, raw):
+def parse_record(path, where, raw):
+    """(Record, None) of a parsed JSON value of data file `path`, else (None, the problem)."""
     if not isinstance(raw, dict):
         return None, f"not a JSON object but {type(raw).__name__}"
     messages = raw.get("messages")

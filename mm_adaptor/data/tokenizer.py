@@ -7,10 +7,18 @@ and `check_model_matches(tokenizer, config)` refuses a mismatch in one line."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 from mm_adaptor.data.records import DataError
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>")
+
+# what an HF tokenizer directory's ids come from
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                   "added_tokens.json", "tokenizer.model", "vocab.txt", "chat_template.jinja", "chat_template.json")
 
 
 class ByteTokenizer:
@@ -36,6 +44,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def identity(self) -> str:
+        """What its ids depend on (a data index's key)."""
+        return "bytes " + json.dumps(self.special_ids, sort_keys=True)
 
     def decode(self, ids) -> str:
         out, run = [], bytearray()
@@ -67,6 +79,12 @@ class HFTokenizer:
     def __init__(self, directory: str, config=None):
         from transformers import AutoTokenizer
 
+        folder = Path(directory)
+        if not folder.is_dir():
+            raise DataError(f"tokenizer_model {directory}: no such directory")
+        if not any((folder / name).exists() for name in ("tokenizer.json", "vocab.json", "tokenizer.model")):
+            lacking = [name for name in ("tokenizer.json", "tokenizer_config.json") if not (folder / name).exists()]
+            raise DataError(f"tokenizer_model {directory}: no tokenizer in it (it lacks {' and '.join(lacking)})")
         try:
             self.hf = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         except (OSError, ValueError) as exc:
@@ -83,6 +101,15 @@ class HFTokenizer:
                 raise DataError(f"tokenizer_model {directory}: no special token {actual}")
             self.special_ids[name] = int(token_id)
         self.vocab_size = len(self.hf)
+        self.directory = directory
+
+    def identity(self) -> str:
+        """What its ids depend on (a data index's key): its files' content."""
+        digest = hashlib.blake2b(digest_size=16)
+        for path in sorted(Path(self.directory).iterdir()):
+            if path.is_file() and path.name in TOKENIZER_FILES:
+                digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        return "hf " + digest.hexdigest() + " " + json.dumps(self.special_ids, sort_keys=True)
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False)) if text else []
@@ -91,12 +118,35 @@ class HFTokenizer:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-def load_tokenizer(tokenizer_model: str | None = None, config=None):
+# a model of more ids than this has a real tokenizer's vocabulary (every released model: 32k and up); the byte
+# tokenizer would train it on meaningless ids
+BYTE_TOKENIZER_MAX_VOCAB = 4096
+BYTE_TOKENIZER_NOTE = "the built-in byte tokenizer (UTF-8 bytes and 7 special ids): no tokenizer files were given"
+
+
+def load_tokenizer(tokenizer_model: str | None = None, config=None, looked_in=None):
     """HFTokenizer(tokenizer_model) for a directory, else ByteTokenizer(config) (config: a Qwen25VLConfig whose
-    vision token ids the byte tokenizer takes; default tiny_config())."""
+    vision token ids the byte tokenizer takes; default tiny_config()) for a model of at most
+    BYTE_TOKENIZER_MAX_VOCAB ids; a larger model without tokenizer files: DataError naming `looked_in`."""
     if tokenizer_model:
         return HFTokenizer(tokenizer_model, config)
+    vocab = getattr(config, "vocab_size", 0) if config is not None else 0
+    if vocab > BYTE_TOKENIZER_MAX_VOCAB:
+        where = f"{looked_in} has no tokenizer.json" if looked_in else "no tokenizer directory was given"
+        raise DataError(f"the model's vocabulary of {vocab} ids needs its own tokenizer, and {where}: give "
+                        "--tokenizer-model DIR (its tokenizer.json and tokenizer_config.json); the built-in byte "
+                        f"tokenizer serves only models of at most {BYTE_TOKENIZER_MAX_VOCAB} ids")
     return ByteTokenizer(config)
+
+
+def for_checkpoint(tokenizer_model: str | None, load: str | None, config):
+    """--tokenizer-model, else --load's hf/ where it holds tokenizer.json, else load_tokenizer(None, ...)."""
+    from pathlib import Path
+
+    hf = Path(load) / "hf" if load else None
+    if not tokenizer_model and hf is not None and (hf / "tokenizer.json").exists():
+        tokenizer_model = str(hf)
+    return load_tokenizer(tokenizer_model, config, looked_in=hf)
 
 
 def model_token_ids(tokenizer) -> dict:

@@ -33,17 +33,14 @@ from dataclasses import dataclass, field
 import torch
 
 from mm_adaptor.data import images as image_ops
-from mm_adaptor.data.records import IMAGE_TAG, DataError, Record, read_records
+from mm_adaptor.data.records import DataError, Sample  # noqa: F401 (Sample: re-exported)
+from mm_adaptor.data.template import DEFAULT_SYSTEM, encode  # noqa: F401 (re-exported)
 
-DEFAULT_SYSTEM = "You are a helpful assistant."
 IGNORE_INDEX = -100
-
-
-@dataclass
-class Sample:
-    record: Record
-    grids: list  # grid_thw per image, from the image's size
-    length: int  # tokens
+DEFAULT_BAD_LIMIT = 100  # --skip-bad-samples without N: samples that may fail to load while training
+# what loading a validated sample raises when its files changed since: PIL's errors are OSError, SyntaxError or
+# ValueError kinds (and DecompressionBombError, an Exception)
+LOAD_ERRORS = (OSError, ValueError, SyntaxError, DataError)
 
 
 @dataclass
@@ -60,86 +57,24 @@ class Report:
         return f"{len(self.samples)} samples, {self.skipped} bad ones skipped"
 
 
-def encode(record: Record, grids, tokenizer, processing=None) -> tuple[list[int], list[bool]]:
-    """(token ids, is-target flag per token) of one record, images expanded to their pad tokens (processing's
-    merge size; None: Qwen2.5-VL's)."""
-    processing = processing or image_ops.QWEN2_5_VL
-    special = tokenizer.special_ids
-    im_start, im_end = [special["<|im_start|>"]], [special["<|im_end|>"]]
-    pieces = []  # (str or list of ids, target)
-    messages = record.messages
-    system = messages[0]["content"] if messages[0]["role"] == "system" else DEFAULT_SYSTEM
-    pieces += [(im_start, False), ("system\n" + system, False), (im_end, False), ("\n", False)]
-    grid_iter = iter(grids)
-    for message in messages[1:] if messages[0]["role"] == "system" else messages:
-        target = message["role"] == "assistant"
-        pieces += [(im_start, False), (message["role"] + "\n", False)]
-        for i, text in enumerate(message["content"].split(IMAGE_TAG)):
-            if i:
-                pads = processing.image_tokens(next(grid_iter))
-                vision = [special["<|vision_start|>"]] + [special["<|image_pad|>"]] * pads + [special["<|vision_end|>"]]
-                pieces.append((vision, target))
-            pieces.append((text, target))
-        pieces += [(im_end, target), ("\n", False)]
-    ids, flags = [], []
-    run, run_target = "", False
-    for piece, target in pieces + [([], False)]:
-        if isinstance(piece, str) and (not run or target == run_target):
-            run, run_target = run + piece, target
-            continue
-        if run:  # adjacent text of one kind is tokenized together, as a template string would be
-            encoded = tokenizer.encode(run)
-            ids, flags = ids + encoded, flags + [run_target] * len(encoded)
-        run, run_target = (piece, target) if isinstance(piece, str) else ("", False)
-        if not isinstance(piece, str):
-            ids, flags = ids + piece, flags + [target] * len(piece)
-    return ids, flags
-
-
 def validate(data_path, tokenizer, seq_length: int, image_min_pixels: int | None = None,
              image_max_pixels: int | None = None, max_samples: int | None = None,
-             skip_bad_samples: bool = False, processing=None) -> Report:
-    """Read every record, open every image (header and checksum, no decoding of pixels into tensors), count its
-    tokens. Bad records: malformed JSON, missing keys, an image missing or unreadable, images != <image> tags,
-    longer than seq_length. Without skip_bad_samples any bad record raises DataError naming them all."""
-    from PIL import Image
+             skip_bad_samples: bool = False, processing=None, cache_dir=None, workers: int | None = None,
+             verbose: bool = False) -> Report:
+    """The validation pass, through the data's index (data.index: built once per data and settings, in a process
+    pool; opened memory-mapped after): every record read, every image opened (header and checksum, no decoding of
+    pixels into tensors), its tokens counted. Bad records: malformed JSON, missing keys, an image missing or
+    unreadable, images != <image> tags, longer than seq_length. Without skip_bad_samples any bad record raises
+    DataError naming them all."""
+    from mm_adaptor.data.index import open_or_build
 
     processing = _processing(processing, image_min_pixels, image_max_pixels)
-    records, bad = read_records(data_path, max_samples)
-    samples = []
-    for record in records:
-        where = f"{record.file} {record.where}"
-        tags = sum(m["content"].count(IMAGE_TAG) for m in record.messages)
-        if tags != len(record.images):
-            bad.append((record.order, f"{where}: {len(record.images)} images for {tags} {IMAGE_TAG} tags"))
-            continue
-        grids, problem = [], None
-        for path in record.images:
-            try:
-                with Image.open(path) as image:
-                    size = image.size
-                    image.verify()
-                grids.append(processing.grid_for_size(*size))
-            except FileNotFoundError:
-                problem = f"image {path} does not exist"
-            except Exception as exc:  # PIL raises many kinds for a broken file
-                problem = f"image {path} is unreadable ({type(exc).__name__}: {exc})"
-            if problem:
-                break
-        if problem:
-            bad.append((record.order, f"{where}: {problem}"))
-            continue
-        length = len(encode(record, grids, tokenizer, processing)[0])
-        if length > seq_length:
-            bad.append((record.order, f"{where}: {length} tokens, longer than seq_length {seq_length}"))
-            continue
-        samples.append(Sample(record, grids, length))
-    report = Report(samples, [line for _, line in sorted(bad)])
+    index = open_or_build(data_path, tokenizer, seq_length, processing, max_samples, cache_dir, workers, verbose)
+    report = Report(index.samples(), index.bad_lines())
     if report.bad and not skip_bad_samples:
         shown = "; ".join(report.bad[:5]) + ("; ..." if len(report.bad) > 5 else "")
         raise DataError(f"{len(report.bad)} bad samples (--skip-bad-samples trains on the rest): {shown}")
     return report
-
 
 
 def load_sample(sample: Sample, tokenizer, image_min_pixels, image_max_pixels, processing=None):
@@ -192,14 +127,14 @@ def global_batch_indices(iteration: int, global_batch_size: int, num_samples: in
     out = []
     for position in range(iteration * global_batch_size, (iteration + 1) * global_batch_size):
         epoch, offset = divmod(position, num_samples)
-        out.append(_permutation(num_samples, seed, epoch)[offset])
+        out.append(int(_permutation(num_samples, seed, epoch)[offset]))
     return out
 
 
 @functools.lru_cache(maxsize=4)
 def _permutation(num_samples: int, seed: int, epoch: int) -> list:
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_samples, generator=generator).tolist()
+    return torch.randperm(num_samples, generator=generator)
 
 
 class BatchIterator:
@@ -207,7 +142,7 @@ class BatchIterator:
     them make one iteration. `report` is the validation pass (report.skipped: bad samples skipped)."""
 
     def __init__(self, report, tokenizer, config, seq_length, micro_batch_size, global_batch_size, dp_rank,
-                 dp_size, start_iteration, image_min_pixels, image_max_pixels, seed, processing=None):
+                 dp_size, start_iteration, image_min_pixels, image_max_pixels, seed, processing=None, bad_limit=0):
         if global_batch_size % (micro_batch_size * dp_size):
             raise DataError(f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size "
                             f"{micro_batch_size} x data-parallel size {dp_size}")
@@ -222,6 +157,29 @@ class BatchIterator:
         self.seed, self.iteration, self._micro = seed, start_iteration, 0
         self.start_iteration = start_iteration
         self.pad_id = tokenizer.special_ids["<|endoftext|>"]
+        self.bad_limit, self.failed = int(bad_limit), []
+
+    def load(self, index: int):
+        """(load_sample of sample `index`, the index loaded). One that fails to load (its image gone, changed or
+        unreadable, its record changed) is skipped for the next sample that loads, said in one line (printed: a
+        warning may be filtered) and kept in `failed`, up to bad_limit: past it, DataError naming every one."""
+        samples = self.report.samples
+        for _ in range(len(samples)):
+            try:
+                return load_sample(samples[index], self.tokenizer, *self.pixels, self.processing), index
+            except LOAD_ERRORS as exc:
+                self.failed.append(_failure(samples, index, exc))
+            if len(self.failed) > self.bad_limit:
+                shown = "; ".join(self.failed[:10]) + ("; ..." if len(self.failed) > 10 else "")
+                if self.bad_limit:
+                    raise DataError(f"{len(self.failed)} samples failed to load while training, more than "
+                                    f"--skip-bad-samples {self.bad_limit}: {shown}")
+                raise DataError(f"a sample failed to load while training: {shown} (--skip-bad-samples N skips up to "
+                                "N of them)")
+            if torch.utils.data.get_worker_info() is None:  # a loader worker's rank says it (loader.WorkerBatches)
+                print(skipped_line(self.failed[-1], len(self.failed), self.bad_limit), flush=True)
+            index = (index + 1) % len(samples)
+        raise DataError("no sample of the data loads")
 
     def seek(self, position: int) -> None:
         """Next: this rank's `position`-th micro-batch from start_iteration on."""
@@ -239,8 +197,8 @@ class BatchIterator:
         self._micro += 1
         if self._micro == self.num_microbatches:
             self.iteration, self._micro = self.iteration + 1, 0
-        loaded = [load_sample(self.report.samples[i], self.tokenizer, *self.pixels, self.processing) for i in chosen]
-        return collate(loaded, self.seq_length, self.pad_id, self.config, chosen)
+        loaded, chosen = zip(*(self.load(i) for i in chosen)) if chosen else ((), [])
+        return collate(list(loaded), self.seq_length, self.pad_id, self.config, list(chosen))
 
     def step_positions(self, iteration: int) -> list[int]:
         """Stream positions this DP rank reads in `iteration` (what __next__ reads, in order)."""
@@ -254,9 +212,8 @@ class BatchIterator:
         from mm_adaptor.models import sample_positions
 
         epoch, offset = divmod(position, len(self.report.samples))
-        index = _permutation(len(self.report.samples), self.seed, epoch)[offset]
-        ids, flags, pixels, grids = load_sample(self.report.samples[index], self.tokenizer, *self.pixels,
-                                                self.processing)
+        index = int(_permutation(len(self.report.samples), self.seed, epoch)[offset])
+        (ids, flags, pixels, grids), _ = self.load(index)
         tokens = torch.tensor(ids, dtype=torch.long)
         labels = torch.full_like(tokens, IGNORE_INDEX)
         labels[:-1] = torch.where(torch.tensor(flags[1:], dtype=torch.bool), tokens[1:], IGNORE_INDEX)
@@ -270,21 +227,44 @@ def build(data_path, tokenizer, config, seq_length: int, micro_batch_size: int =
           dp_rank: int = 0, dp_size: int = 1, start_iteration: int = 0,
           image_min_pixels: int | None = None, image_max_pixels: int | None = None,
           skip_bad_samples: bool = False, max_samples: int | None = None, seed: int = 1234,
-          report: Report | None = None, processing=None) -> BatchIterator:
+          report: Report | None = None, processing=None, cache_dir=None) -> BatchIterator:
     """Validate the data (DataError on bad records unless skip_bad_samples) and return this rank's BatchIterator.
     config: the model's config (its token ids must be the tokenizer's: check_model_matches); processing: its
-    image preprocessing (None: Qwen2.5-VL's)."""
+    image preprocessing (None: Qwen2.5-VL's). skip_bad_samples: True, or how many samples may fail to load while
+    training (True: DEFAULT_BAD_LIMIT)."""
     from mm_adaptor.data.tokenizer import check_model_matches
 
     check_model_matches(tokenizer, config)
     image_min_pixels, image_max_pixels = _pixel_bounds(image_min_pixels, image_max_pixels, processing)
     if report is None:  # else the launching process's validation pass of the same data and settings
         report = validate(data_path, tokenizer, seq_length, image_min_pixels, image_max_pixels, max_samples,
-                          skip_bad_samples, processing)
+                          bool(skip_bad_samples), processing, cache_dir)
     if not report.samples:
         raise DataError(f"no usable samples in {data_path} ({report.skipped} bad ones skipped)")
     return BatchIterator(report, tokenizer, config, seq_length, micro_batch_size, global_batch_size, dp_rank,
-                         dp_size, start_iteration, image_min_pixels, image_max_pixels, seed, processing)
+                         dp_size, start_iteration, image_min_pixels, image_max_pixels, seed, processing,
+                         bad_limit(skip_bad_samples))
+
+
+def skipped_line(failure: str, count: int, limit: int) -> str:
+    return f"data: skipped {failure} ({count} of at most {limit})"
+
+
+def bad_limit(skip_bad_samples) -> int:
+    """How many samples may fail to load while training: --skip-bad-samples' N, DEFAULT_BAD_LIMIT without one."""
+    if skip_bad_samples is True:
+        return DEFAULT_BAD_LIMIT
+    return int(skip_bad_samples or 0)
+
+
+def _failure(samples, index: int, exc: Exception) -> str:
+    """One line: the record that failed to load and why."""
+    try:
+        record = samples[index].record
+        where = f"{record.file} {record.where}"
+    except LOAD_ERRORS:  # the record itself changed: its error names it
+        where = f"sample {index}"
+    return " ".join(f"{where}: {type(exc).__name__}: {exc}".split())
 
 
 def _pixel_bounds(low, high, processing=None):

@@ -182,5 +182,5 @@ def apply(args, path: str) -> list[str]:
             args.tokenizer_model = args.tokenizer_model or str(directory)
         elif not args.tokenizer_model:
             notes.append(f"--mm-data preprocess_parameters.model_name_or_path {source} holds no tokenizer.json: "
-                         "the built-in byte tokenizer is used")
+                         "the tokenizer is --load's hf/, else the built-in byte tokenizer (a tiny model's only)")
     return notes

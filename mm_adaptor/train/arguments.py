@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from mm_adaptor.core import features
-from mm_adaptor.core.one_line_parser import ArgumentParser
+from mm_adaptor.core.one_line_parser import ArgumentParser, count
 from mm_adaptor.mindspeed_mm import arguments as mindspeed_mm_arguments
 from mm_adaptor.models import registry
 from mm_adaptor.ranks.warning_digest import ShowEveryWarning
@@ -89,8 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add("--encoder-dp-balance", action="store_true",
           help="spread the images of each micro-batch over the data-parallel ranks by patch count for the vision "
                "encoder, the embeddings returned to their samples' ranks (MindSpeed-MM's name)")
-    g.add("--skip-bad-samples", action="store_true",
-          help="train on the good records of the data and count the bad ones, instead of refusing them")
+    g.add("--skip-bad-samples", nargs="?", type=count, const=True, default=False, metavar="N",
+          help="train on the good records of the data and count the bad ones, instead of refusing them; while "
+               "training, skip up to N samples that fail to load (default N: 100), each said in one line and "
+               "counted on the iteration line; past N the run stops naming them")
+    g.add("--data-cache", default=None, metavar="DIR",
+          help="where the data's index is built once and found after (`mm-adaptor data prepare DATA DIR` builds "
+               "it ahead); on several nodes, a shared directory (default: $XDG_CACHE_HOME/mm_adaptor/data-index)")
     g.add("--packing", action="store_true",
           help="pack each step's samples (per data-parallel rank) into micro-batches of at most --seq-length tokens, "
                "first-fit decreasing, attention kept within each sample; needs --micro-batch-size 1")

@@ -2,7 +2,8 @@
 
 Worker w of N makes items w, w + N, w + 2N, ... of this rank's stream (its micro-batches; with --packing whole steps
 of packs, which the step's first micro-batch waits for), and torch's loader hands them over in that order, so a run
-with workers reads exactly what one without reads. Each item carries the non-padding tokens it holds (--log-tps).
+with workers reads exactly what one without reads. Each item carries the non-padding tokens it holds (--log-tps) and
+the samples that failed to load and were skipped while making it (--skip-bad-samples).
 The workers make host tensors; they move to the device here, in the rank."""
 
 from __future__ import annotations
@@ -32,13 +33,15 @@ def _stream_class():
             position = worker
             while True:
                 source.seek(position)
+                failed = len(getattr(source, "failed", ()))
                 if self.packed:
                     source.start_step()
-                    yield [next(source) for _ in range(source.microbatches_this_step)], source.tokens_this_step
+                    item = [next(source) for _ in range(source.microbatches_this_step)], source.tokens_this_step
                 else:
                     before = getattr(source, "tokens_this_step", None)
                     batch = next(source)
-                    yield batch, None if before is None else source.tokens_this_step - before
+                    item = batch, None if before is None else source.tokens_this_step - before
+                yield (*item, getattr(source, "failed", [])[failed:])
                 position += workers
 
     return Stream
@@ -65,7 +68,7 @@ class WorkerBatches:
     host with seek(position)); the step interface (start_step, microbatches_this_step, tokens_this_step) of the
     source it replaces."""
 
-    def __init__(self, make, device, workers: int, packed: bool, counts_tokens: bool):
+    def __init__(self, make, device, workers: int, packed: bool, counts_tokens: bool, bad_limit: int = 0):
         import torch
 
         loader = torch.utils.data.DataLoader(_stream_class()(make, packed), batch_size=None, num_workers=workers,
@@ -75,14 +78,25 @@ class WorkerBatches:
         self.queue: list = []
         self.microbatches_this_step = 0
         self.tokens_this_step = 0 if counts_tokens else None
+        self.failed: list[str] = []  # samples the workers failed to load and skipped, one line each
+        self.bad_limit = bad_limit
 
     def __iter__(self):
         return self
 
+    def _said(self, failed: list[str]) -> None:
+        """The samples a worker skipped, each said in one line by this rank."""
+        from mm_adaptor.data.vlm import skipped_line
+
+        for line in failed:
+            self.failed.append(line)
+            print(skipped_line(line, len(self.failed), self.bad_limit), flush=True)
+
     def start_step(self) -> None:
         if self.packed:
-            self.queue, tokens = next(self.items)
+            self.queue, tokens, failed = next(self.items)
             self.microbatches_this_step, self.tokens_this_step = len(self.queue), tokens
+            self._said(failed)
         elif self.tokens_this_step is not None:
             self.tokens_this_step = 0
 
@@ -91,7 +105,8 @@ class WorkerBatches:
             if not self.queue:
                 raise RuntimeError("all packs of the step were read: call start_step() before each step")
             return to_device(self.queue.pop(0), self.device)
-        batch, tokens = next(self.items)
+        batch, tokens, failed = next(self.items)
+        self._said(failed)
         if tokens is not None and self.tokens_this_step is not None:
             self.tokens_this_step += tokens
         return to_device(batch, self.device)

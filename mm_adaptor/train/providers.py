@@ -131,7 +131,8 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 
             batches = WorkerBatches(functools.partial(_source, family, view, start_iteration, torch_cpu()), device,
                                     args.num_workers, packed=getattr(view, "packing", False),
-                                    counts_tokens=hasattr(batches, "tokens_this_step"))
+                                    counts_tokens=hasattr(batches, "tokens_this_step"),
+                                    bad_limit=getattr(batches, "bad_limit", 0) or 0)
         iterators.append(StepCounted(batches) if split == "train" else batches)
     return tuple(iterators)
 

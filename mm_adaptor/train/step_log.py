@@ -6,6 +6,7 @@ its vision tower's FLOPs. At the step's end one all-reduce makes them global (St
 - Megatron's num_floating_point_operations (hence --log-throughput's TFLOP/s) gains the vision tower's FLOPs;
 - --log-throughput's line gains the MFU against the device's peak (mm_adaptor.devices.peak_flops), naming it;
 - --log-tps adds MindSpeed-MM's tokens per sample, non-padding tokens per second and samples per second;
+- a line gains the samples that failed to load and were skipped so far (--skip-bad-samples), where there are any;
 - every line gains the peak memory of the most loaded rank (the device allocator's peak; on the CPU, which has
   none, the rank process's peak resident set);
 - a mixture-of-experts model adds each MoE layer's expert-load spread (coefficient of variation of the tokens
@@ -34,6 +35,7 @@ class StepTotals:
     interval_samples: int = 0
     interval_steps: int = 0
     peak_bytes: int = 0  # the largest of the ranks' peaks so far
+    skipped_samples: int = 0  # samples that failed to load and were skipped, all ranks, so far
     last: dict = field(default_factory=dict)
 
     def reset_step(self) -> None:
@@ -67,7 +69,8 @@ class StepTotals:
         self.counted_tokens = tokens is not None
         if tokens is None:
             tokens = self.rows * args.seq_length
-        local = torch.tensor([int(tokens) if here else 0, self.rows], dtype=torch.int64, device=device)
+        skipped = len(getattr(source, "failed", None) or ()) if here else 0
+        local = torch.tensor([int(tokens) if here else 0, self.rows, skipped], dtype=torch.int64, device=device)
         dist.all_reduce(local)  # integers: exact, and every collective library sums int64
         vision = torch.tensor([self.vision_flops], dtype=torch.float32, device=device)
         dist.all_reduce(vision)
@@ -76,7 +79,7 @@ class StepTotals:
         peak = torch.tensor([peak_bytes(device)], dtype=torch.int64, device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         self.peak_bytes = int(peak[0])
-        self.tokens, self.rows = int(local[0]), int(local[1])
+        self.tokens, self.rows, self.skipped_samples = int(local[0]), int(local[1]), int(local[2])
         self.samples = args.global_batch_size
         self.vision_flops = float(vision[0])
         self.interval_tokens += self.tokens
@@ -110,6 +113,8 @@ class StepTotals:
         if self.peak_bytes:
             fields.append(f"peak memory (GiB, most loaded rank): {self.peak_bytes / 2**30:.3f}")
             self.last["peak_bytes"] = self.peak_bytes
+        if self.skipped_samples:
+            fields.append(f"samples skipped (failed to load): {self.skipped_samples}")
         from mm_adaptor.train import expert_load
 
         spread = expert_load.LOADS.spread_field()

@@ -10,6 +10,7 @@ import json
 from functools import partial
 from pathlib import Path
 
+from mm_adaptor.core.one_line_parser import count
 from mm_adaptor.core.wrapped import unwrap
 from mm_adaptor.models import registry
 from mm_adaptor.train import vlm_data
@@ -37,8 +38,9 @@ def add_arguments(parser) -> None:
     g.add_argument("--encoder-dp-balance", action="store_true",
                    help="spread the images of each micro-batch over the data-parallel ranks by patch count for the "
                         "vision encoder, the embeddings returned to their samples' ranks (MindSpeed-MM's name)")
-    g.add_argument("--skip-bad-samples", action="store_true",
-                   help="train on the good records of --data-path and count the bad ones, instead of refusing them")
+    g.add_argument("--skip-bad-samples", nargs="?", type=count, const=True, default=False, metavar="N",
+                   help="train on the good records of --data-path and count the bad ones, instead of refusing them; "
+                        "while training, skip up to N samples that fail to load (default N: 100)")
     g.add_argument("--hf-config", dest="hf_config_file", default=None, metavar="CONFIG_JSON",
                    help="build the model randomly initialised from this Hugging Face config.json (its family, shapes "
                         "and token ids; no --load), e.g. to measure a full-size model's throughput")

@@ -139,6 +139,15 @@ class DatasetBatches:
     def step_positions(self, iteration: int) -> list[int]:
         return self.batches.step_positions(iteration)
 
+    @property
+    def failed(self) -> list[str]:
+        """The samples that failed to load while training and were skipped (so far, here), one line each."""
+        return self.batches.failed
+
+    @property
+    def bad_limit(self) -> int:
+        return self.batches.bad_limit
+
     def __next__(self):
         batch = next(self.batches)
         self.tokens_this_step += int(batch["num_tokens"].sum())
@@ -218,16 +227,6 @@ def _validated(args, split: str):
     return reports.get(split) if isinstance(reports, dict) else reports
 
 
-def tokenizer_dir(args) -> str | None:
-    """--tokenizer-model, else --load's hf/ when it holds a tokenizer, else None (the built-in byte tokenizer)."""
-    from pathlib import Path
-
-    if args.tokenizer_model:
-        return args.tokenizer_model
-    hf = Path(args.load or "") / "hf"
-    return str(hf) if args.load and (hf / "tokenizer.json").exists() else None
-
-
 def processing(args, config):
     """The family's image preprocessing: a converted --load's preprocessor_config.json (Qwen3-VL requires it), the
     family's defaults for a tiny model."""
@@ -246,20 +245,29 @@ def processing(args, config):
 
 
 def tokenizer(args, config):
-    from mm_adaptor.data import load_tokenizer
+    """--tokenizer-model, else --load's hf/ where it holds one, else the byte tokenizer for a tiny model."""
+    from mm_adaptor.data.tokenizer import for_checkpoint
 
-    return load_tokenizer(tokenizer_dir(args), config)
+    return for_checkpoint(args.tokenizer_model, args.load, config)
 
 
 def validate(args, config) -> list[str]:
     """The data set's validation pass (images opened, tokens counted) and the tokenizer/`config` match: the
     DataError's line, or nothing. The pass's report goes to args.validated_data, which the ranks this process
-    launches receive with their arguments: they build their batches from it without a second pass."""
+    launches receive with their arguments: they build their batches from it without a second pass. The byte
+    tokenizer is said, in one line."""
     from mm_adaptor.data import DataError
+    from mm_adaptor.data.tokenizer import BYTE_TOKENIZER_NOTE, ByteTokenizer
 
+    try:
+        tok = tokenizer(args, config)
+    except DataError as exc:
+        return [str(exc)]
+    if isinstance(tok, ByteTokenizer) and _says():
+        print(f"data: {BYTE_TOKENIZER_NOTE}", flush=True)
     if isinstance(args.data_path, str):  # the runner's one file
         try:
-            report = _validated_file(args, config, args.data_path)
+            report = _validated_file(args, config, args.data_path, tok)
         except (DataError, ValueError) as exc:
             return [f"--data-path {args.data_path}: {exc}"]
         args.validated_data = report
@@ -274,7 +282,7 @@ def validate(args, config) -> list[str]:
             continue
         try:
             if path not in files:
-                files[path] = _validated_file(args, config, path)
+                files[path] = _validated_file(args, config, path, tok)
         except (DataError, ValueError) as exc:
             flag = "--data-path" if fractions else f"--{split}-data-path"
             return [f"{flag} {path}: {exc}"]
@@ -286,14 +294,23 @@ def validate(args, config) -> list[str]:
     return []
 
 
-def _validated_file(args, config, path):
+def _validated_file(args, config, path, tok):
     from mm_adaptor.data import DataError, check_model_matches
     from mm_adaptor.data import validate as validate_data
 
-    tok = tokenizer(args, config)
     check_model_matches(tok, config)
     report = validate_data(path, tok, args.seq_length, skip_bad_samples=args.skip_bad_samples,
-                           processing=processing(args, config))
+                           processing=processing(args, config), cache_dir=getattr(args, "data_cache", None))
     if not report.samples:
         raise DataError(f"no usable samples ({report.skipped} bad ones skipped)")
+    if report.skipped and _says():
+        print(f"data: {path}: {report.summary()} (--skip-bad-samples; one line each in "
+              f"{report.samples.index.directory / 'bad.txt'})", flush=True)
     return report
+
+
+def _says() -> bool:
+    """This process speaks for the run: the launching process, or torchrun's rank 0."""
+    import os
+
+    return os.environ.get("RANK", "0") == "0"

@@ -18,3 +18,4 @@ def byte_setup():
 
     tokenizer = load_tokenizer(None)
     return tokenizer, tiny_config(**model_token_ids(tokenizer))
+

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -53,7 +54,7 @@ def test_hf_tokenizer_ids_equal_the_template_string(hf_dir, shapes):
 def test_hf_tokenizer_without_specials_refused(tmp_path):
     from mm_adaptor.data import DataError
 
-    with pytest.raises(DataError, match="cannot load|no special token"):
+    with pytest.raises(DataError, match="cannot load|no special token|no tokenizer in it"):
         load_tokenizer(str(tmp_path))
 
 
@@ -75,6 +76,7 @@ def test_llava_to_messages_and_check(tmp_path, shapes, capsys):
     assert cli_main(["data", "check", str(out), "--seq-length", "400"]) == 0
     assert "2 samples, 0 bad" in capsys.readouterr().out
     assert cli_main(["data", "check", str(out), "--seq-length", "50"]) == 1
+    assert "the built-in byte tokenizer" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text(json.dumps([{"conversations": "x"}]))
     assert cli_main(["data", "llava-to-messages", str(tmp_path / "bad.json"), str(tmp_path / "o.json")]) == 2
     err = capsys.readouterr().err
@@ -125,3 +127,40 @@ def test_mindspeed_dataset_param_names(tmp_path):
     assert options_from_mindspeed(param) == {
         "image_max_pixels": 262144, "image_min_pixels": 3136, "max_samples": 10, "seq_length": 1024,
         "data_path": [str(tmp_path / "a.json"), str(tmp_path / "b.jsonl")]}
+
+
+def test_a_missing_tokenizer_is_never_silent(tmp_path, hf_dir):
+    """A released model's vocabulary without tokenizer files is refused naming where it looked; a tiny model
+    takes the byte tokenizer; a directory without a tokenizer names the files it lacks."""
+    from mm_adaptor.data import ByteTokenizer, DataError
+    from mm_adaptor.data.tokenizer import BYTE_TOKENIZER_MAX_VOCAB, for_checkpoint
+
+    (tmp_path / "ckpt" / "hf").mkdir(parents=True)
+    large = tiny_config(vocab_size=151936)
+    with pytest.raises(DataError, match=rf"151936 ids needs its own tokenizer, and {tmp_path}/ckpt/hf has no "
+                                        r"tokenizer.json: give --tokenizer-model DIR"):
+        for_checkpoint(None, str(tmp_path / "ckpt"), large)
+    with pytest.raises(DataError, match="no tokenizer directory was given"):
+        for_checkpoint(None, None, large)
+    assert isinstance(for_checkpoint(None, str(tmp_path / "ckpt"), tiny_config(vocab_size=BYTE_TOKENIZER_MAX_VOCAB)),
+                      ByteTokenizer)
+    with pytest.raises(DataError, match=r"no tokenizer in it \(it lacks tokenizer.json and tokenizer_config.json\)"):
+        for_checkpoint(str(tmp_path / "ckpt" / "hf"), None, large)
+    shutil.copytree(hf_dir, tmp_path / "ckpt" / "hf", dirs_exist_ok=True)  # hf/ with a tokenizer: it is taken
+    assert for_checkpoint(None, str(tmp_path / "ckpt"), tiny_config(vocab_size=512)).directory.endswith("hf")
+
+
+def test_the_trainer_says_it_takes_the_byte_tokenizer_and_refuses_a_large_model_without_one(tmp_path, shapes,
+                                                                                              capsys):
+    from types import SimpleNamespace
+
+    from mm_adaptor.train import vlm_data
+
+    args = SimpleNamespace(data_path=shapes, tokenizer_model=None, load=None, seq_length=320,
+                           skip_bad_samples=False, data_cache=str(tmp_path), image_min_pixels=None,
+                           image_max_pixels=None)
+    assert vlm_data.validate(args, tiny_config(**model_token_ids(load_tokenizer(None)))) == []
+    assert capsys.readouterr().out == "data: the built-in byte tokenizer (UTF-8 bytes and 7 special ids): no " \
+                                      "tokenizer files were given\n"
+    problems = vlm_data.validate(args, tiny_config(vocab_size=151936))
+    assert len(problems) == 1 and "needs its own tokenizer" in problems[0]

@@ -7,6 +7,7 @@
 - the iteration line: Megatron's, plus --log-tps' fields and --log-throughput's MFU against the named peak, and
   TensorBoard gets Megatron's scalars."""
 
+import json
 import os
 import re
 import signal
@@ -145,14 +146,24 @@ def test_the_iteration_line_is_megatron_s_with_the_trainer_s_fields(tmp_path):
     assert without_peak.field("MFU") == ["n/a (no peak for the CPU; give --mfu-peak-tflops)"]
 
 
-def test_no_evaluation_where_the_split_has_no_samples(tmp_path):
+def test_no_evaluation_where_the_split_has_no_samples_and_a_damaged_sample_is_skipped(tmp_path):
+    """Besides: the data's index goes where --data-cache says; an image that decodes no more (its checksums still
+    pass validation) is skipped by the loader worker, said and counted on the iteration line."""
     pytest.importorskip("PIL")
     from mm_adaptor.data.shapes import make_shapes
+    from tests.data.damaged import undecodable_png
 
     shapes = make_shapes(str(tmp_path), count=8, seed=0)
+    undecodable_png(Path(shapes).parent / json.load(open(shapes))[5]["images"][0])
     run = train(["--nproc-per-node", "1", "--model", "qwen2_5_vl-tiny", "--data-path", shapes, "--split", "100,0,0",
-                 "--seq-length", "256", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1",
-                 *QUICK[:-2], "--eval-iters", "2"])
+                 "--seq-length", "256", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "4",
+                 *QUICK[:-2], "--eval-iters", "2", "--data-cache", str(tmp_path / "index"), "--num-workers", "1",
+                 "--skip-bad-samples", "1"])
     assert run.status == 0, run.err[-3000:]
     assert "the validation split has no samples (--split 100,0,0): it is not evaluated" in run.out
     assert "validation loss" not in run.out
+    built = list((tmp_path / "index").glob("*/index.json"))
+    assert len(built) == 1 and json.loads(built[0].read_text())["samples"] == 8
+    assert "broken data stream when reading image file (1 of at most 1)\n" in run.out
+    skipped = run.field("samples skipped (failed to load)")
+    assert skipped[-1] == "1" and len(skipped) >= 1, skipped  # the epoch of 8 read once: one skip

@@ -6,6 +6,7 @@ import argparse
 import json
 
 import pytest
+import qwen_shaped_tokenizer
 
 from mm_adaptor.mindspeed_mm import arguments, data_json, model_json
 
@@ -128,6 +129,7 @@ def test_every_script_parses_and_says_what_has_no_effect(script, tmp_path, monke
     monkeypatch.setenv("MM_ADAPTOR_DEVICE", "cpu")  # what gloo sets, undone after the test
     data = _data(tmp_path)
     Image.new("RGB", (28, 28)).save(tmp_path / "data" / "img" / "a.png")
+    qwen_shaped_tokenizer.write(tmp_path / "hf")  # data.json's model_name_or_path: the 7B's vocabulary needs one
     args = parse_args(_argv(SCRIPTS[script], **{"--mm-model": _single_stage_7b(tmp_path), "--mm-data": data}))
     no_effect = [a.name for a in arguments.ARGUMENTS if a.kind == arguments.NO_EFFECT
                  and a.name in {n for n, _ in SCRIPTS[script]}]
@@ -194,6 +196,7 @@ def _command(tmp_path, *extra, dtype=("--bf16",)) -> argparse.Namespace:
 
     data = _data(tmp_path)
     Image.new("RGB", (28, 28)).save(tmp_path / "data" / "img" / "a.png")
+    qwen_shaped_tokenizer.write(tmp_path / "hf")
     return parse_args(["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", *dtype, "--lr", "1e-5",
                        "--micro-batch-size", "1", "--seq-length", "1024",
                        "--mm-data", data, *extra])

@@ -163,7 +163,7 @@ def test_the_7b_script_trains_the_mm_checkpoint_on_two_cpu_ranks(migration):
     assert all(tps > 0 for _, _, tps in steps)
     # the notes: one line per argument without effect, on rank 0 only
     assert result.stdout.count("--mm-tool: no effect here") == 1, result.stdout[:2000]
-    assert "holds no tokenizer.json: the built-in byte tokenizer is used" in result.stdout
+    assert "holds no tokenizer.json: the tokenizer is --load's hf/, else the built-in byte tokenizer" in result.stdout
     assert result.stdout.count("no effect here (the trainer builds its batches in the rank") == 1  # data.json's
     # Megatron's loop, in the layout the model.json asked for, the checkpoint loaded, the vision encoder frozen
     assert "tensor-model-parallel size: 1, pipeline-model-parallel size: 2" in result.stdout, result.stdout[:3000]
