@@ -83,9 +83,11 @@ def _check(argv: list[str], under_torchrun: bool):
     if problems:
         raise UsageError(*problems)
     problems = family.data_problems(args)
+    problems = problems or arguments.data_resume_problems(args)
     if problems:
         raise UsageError(*problems)
     handoff = {"validated_data": args.validated_data} if getattr(args, "validated_data", None) else {}
+    handoff["data_position"] = (args.data_fingerprint, args.data_first_sample)
     return args, handoff
 
 

@@ -93,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
           help="train on the good records of the data and count the bad ones, instead of refusing them; while "
                "training, skip up to N samples that fail to load (default N: 100), each said in one line and "
                "counted on the iteration line; past N the run stops naming them")
+    g.add("--restart-data", action="store_true",
+          help="on resuming (--load), read the data from its first sample instead of where the saved run stopped, "
+               "e.g. after changing the data set (which is refused without it)")
     g.add("--data-cache", default=None, metavar="DIR",
           help="where the data's index is built once and found after (`mm-adaptor data prepare DATA DIR` builds "
                "it ahead); on several nodes, a shared directory (default: $XDG_CACHE_HOME/mm_adaptor/data-index)")
@@ -266,6 +269,31 @@ def resume_problems(args) -> list[str]:
             f"{now} now: Megatron keeps the optimizer state of expert parallelism 1 and above in different shapes "
             "(one optimizer, or one for experts beside one for the rest) and cannot load one into the other: resume "
             f"at {'1' if before == 1 else 'an expert parallelism above 1'}, or add --no-load-optim"]
+
+
+def data_resume_problems(args) -> list[str]:
+    """A resumed run reads the data where the saved run stopped: its data and settings must be those the save was
+    trained on (their index keys, vlm_data.fingerprint), unless --restart-data starts the data's stream anew at the
+    saved iteration (args.data_first_sample: the consumed samples where the stream began, saved with the run)."""
+    from mm_adaptor.train import vlm_data
+
+    args.data_fingerprint = vlm_data.fingerprint(getattr(args, "validated_data", None))
+    args.data_first_sample = 0
+    if not args.load or args.finetune:
+        return []
+    saved = saved_arguments(args.load)
+    before = getattr(saved, "data_fingerprint", None)
+    if saved is None or before is None or args.data_fingerprint is None:
+        return []
+    if getattr(args, "restart_data", False):
+        args.data_first_sample = int(getattr(saved, "consumed_train_samples", 0) or 0)
+    elif before == args.data_fingerprint:
+        args.data_first_sample = int(getattr(saved, "data_first_sample", 0) or 0)
+    else:
+        return [f"--load {args.load} was trained on other data or data settings (index {before}, now "
+                f"{args.data_fingerprint}): its next samples are not this data's; give the data, --seq-length and "
+                "tokenizer it was trained with, or --restart-data to read this data from its first sample"]
+    return []
 
 
 def path_problems(args) -> list[str]:

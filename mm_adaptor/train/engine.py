@@ -63,6 +63,8 @@ def _prepared(handoff: dict):
             from mm_adaptor.train import vlm_data
 
             vlm_data.receive(handoff["validated_data"])
+        # saved with the run's checkpoints (Megatron saves its arguments): what a resumed run checks it reads
+        parsed.data_fingerprint, parsed.data_first_sample = handoff.get("data_position", (None, 0))
         return parsed
 
     return parse

@@ -111,7 +111,9 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     args = _args()
     family = families.of(args)
     device = devices.current().torch_device()
-    consumed = {"train": args.consumed_train_samples, "valid": args.consumed_valid_samples, "test": 0}
+    # the training stream from where the data began (--restart-data: the iteration it restarted at)
+    consumed = {"train": args.consumed_train_samples - (getattr(args, "data_first_sample", 0) or 0),
+                "valid": args.consumed_valid_samples, "test": 0}
     iterators = []
     for split, wanted in zip(SPLITS, train_val_test_num_samples):
         if not wanted and split != "train":

@@ -212,6 +212,17 @@ def _split_report(report, fractions, split: str):
     return replace(report, samples=report.samples[bounds[index]:bounds[index + 1]])
 
 
+def fingerprint(reports) -> str | None:
+    """The data's identity per split (each index's key: the files' content and the settings), or None for
+    synthetic data."""
+    if reports is None:
+        return None
+    reports = reports if isinstance(reports, dict) else {"train": reports}
+    keys = [f"{split}:{report.samples.index.directory.name}" for split, report in sorted(reports.items())
+            if hasattr(report.samples, "index")]
+    return " ".join(keys) or None
+
+
 # The trainer's ranks: the launching process's validation pass, per split (receive); kept off Megatron's
 # arguments, which its checkpoints pickle.
 RECEIVED: dict = {}

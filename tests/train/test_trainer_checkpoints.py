@@ -11,6 +11,8 @@ The limit: the largest relative difference of an iteration's loss from the unint
 same layout is bit for bit (test_trainer_runs.py); another layout reorders reductions, which moved the losses here
 by at most 1e-6 (7e-8 for the GPT); dropping Adam's moments moves them by more than 1e-3."""
 
+import json
+
 import pytest
 
 from trainer_runs import QUICK, relative_differences, scalars, train
@@ -121,3 +123,35 @@ def test_a_converted_hf_checkpoint_fine_tunes_and_converts_back(tmp_path):
     assert sorted(original) == sorted(back)
     changed = {name for name in original if not original[name].equal(back[name])}
     assert changed and all(".merger." in name for name in changed), changed
+
+
+def test_records_resume_where_they_stopped_and_a_restart_or_other_data_is_seen(tmp_path):
+    """A resumed run reads the records the uninterrupted run read next: its losses continue it. --restart-data
+    reads the data from its first sample again (samples repeated): the same comparison rejects it. Other data than
+    the save was trained on is refused in one line before any rank starts."""
+    from mm_adaptor.data.shapes import make_shapes
+
+    shapes = make_shapes(str(tmp_path), count=16, seed=0)
+    command = ["--nproc-per-node", "1", "--model", "qwen2_5_vl-tiny", "--data-path", shapes, "--split", "100,0,0",
+               "--seq-length", "256", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "4",
+               *QUICK, "--lr", "1e-3", "--data-cache", str(tmp_path / "index")]
+    whole = train([*command, "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+                   "--tensorboard-dir", str(tmp_path / "whole")])
+    assert whole.status == 0, whole.err[-3000:]
+    saved = ["--load", str(tmp_path / "ckpt"), "--ckpt-step", "2"]
+    found = {}
+    for name, extra in (("resumed", []), ("restarted", ["--restart-data"])):
+        run = train([*command, *saved, *extra, "--tensorboard-dir", str(tmp_path / name)])
+        assert run.status == 0, run.err[-3000:]
+        found[name] = relative_differences(scalars(tmp_path / "whole"), scalars(tmp_path / name))
+        assert sorted(found[name]) == [3, 4], found
+    _assert_continues({"resumed": found["resumed"]})
+    with pytest.raises(AssertionError):
+        _assert_continues({"restarted": found["restarted"]})
+    records = json.load(open(shapes))
+    with open(shapes, "w") as f:
+        json.dump(records + records[:1], f)
+    refused = train([*command, *saved])
+    assert refused.status == 2 and len(refused.err.strip().splitlines()) == 1, refused.err
+    assert f"--load {tmp_path / 'ckpt'} was trained on other data or data settings" in refused.err
+    assert "or --restart-data to read this data from its first sample" in refused.err
