@@ -156,6 +156,12 @@ class IndexedSamples(Sequence):
     def lengths(self) -> np.ndarray:
         return np.asarray(self.index.lengths[self.start:self.stop])
 
+    @property
+    def key(self) -> str:
+        """The data's identity: its index's key, and the part of it these samples are."""
+        whole = self.start == 0 and self.stop == len(self.index)
+        return self.index.directory.name + ("" if whole else f"[{self.start}:{self.stop}]")
+
 
 def build(files, tokenizer, seq_length: int, processing, directory, max_samples=None, workers=None,
           verbose=False) -> None:

@@ -124,14 +124,20 @@ def collate(loaded, seq_length: int, pad_id: int, config, sample_index=None) -> 
 def global_batch_indices(iteration: int, global_batch_size: int, num_samples: int, seed: int) -> list[int]:
     """Dataset indices of iteration's global batch: positions of an endless stream of seeded per-epoch
     permutations (independent of the DP size)."""
-    out = []
-    for position in range(iteration * global_batch_size, (iteration + 1) * global_batch_size):
-        epoch, offset = divmod(position, num_samples)
-        out.append(int(_permutation(num_samples, seed, epoch)[offset]))
-    return out
+    first = iteration * global_batch_size
+    return [stream_index(range(num_samples), p, seed) for p in range(first, first + global_batch_size)]
 
 
-@functools.lru_cache(maxsize=4)
+def stream_index(samples, position: int, seed: int) -> int:
+    """The sample at a position of the stream over `samples`: a blend's (data.blend), else epoch e's seeded
+    permutation (e = position // len(samples))."""
+    if hasattr(samples, "stream_index"):
+        return samples.stream_index(position, seed)
+    epoch, offset = divmod(position, len(samples))
+    return int(_permutation(len(samples), seed, epoch)[offset])
+
+
+@functools.lru_cache(maxsize=8)
 def _permutation(num_samples: int, seed: int, epoch: int) -> list:
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(num_samples, generator=generator)
@@ -190,10 +196,8 @@ class BatchIterator:
         return self
 
     def __next__(self) -> dict:
-        per_rank = self.global_batch_size // self.dp_size
-        indices = global_batch_indices(self.iteration, self.global_batch_size, len(self.report.samples), self.seed)
-        mine = indices[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
-        chosen = mine[self._micro * self.micro_batch_size:(self._micro + 1) * self.micro_batch_size]
+        first = self.step_positions(self.iteration)[self._micro * self.micro_batch_size]
+        chosen = [stream_index(self.report.samples, p, self.seed) for p in range(first, first + self.micro_batch_size)]
         self._micro += 1
         if self._micro == self.num_microbatches:
             self.iteration, self._micro = self.iteration + 1, 0
@@ -211,8 +215,7 @@ class BatchIterator:
         the next token is a target, its 3-D rope index from 0, its pixels and grids."""
         from mm_adaptor.models import sample_positions
 
-        epoch, offset = divmod(position, len(self.report.samples))
-        index = int(_permutation(len(self.report.samples), self.seed, epoch)[offset])
+        index = stream_index(self.report.samples, position, self.seed)
         (ids, flags, pixels, grids), _ = self.load(index)
         tokens = torch.tensor(ids, dtype=torch.long)
         labels = torch.full_like(tokens, IGNORE_INDEX)

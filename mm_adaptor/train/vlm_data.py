@@ -163,7 +163,7 @@ def records_path(args, split: str = "train") -> str | None:
     separate = getattr(args, f"{split}_data_path", None)
     if separate:
         return separate[0]
-    return args.data_path[0] if args.data_path else None
+    return " ".join(args.data_path) if args.data_path else None  # a blend (blend_of): its whole list
 
 
 def has_records(args) -> bool:
@@ -179,14 +179,23 @@ def has_records(args) -> bool:
 
 
 def record_split_problems(args) -> list[str]:
-    """What the trainer cannot read of Megatron's data arguments for records (one line each)."""
-    lists = [("--data-path", args.data_path)] + [(f"--{s}-data-path", getattr(args, f"{s}_data_path", None))
-                                                 for s in ("train", "valid", "test")]
-    for flag, paths in lists:
+    """What the trainer cannot read of Megatron's data arguments for records (one line each): a blend is read
+    from --data-path (with --split), not from the per-split paths."""
+    for split in ("train", "valid", "test"):
+        paths = getattr(args, f"{split}_data_path", None)
         if isinstance(paths, list) and len(paths) > 1:
-            return [f"{flag} {' '.join(paths)}: several data sets (a weighted blend) are not read for vision-language "
-                    "records yet: give one file"]
+            return [f"--{split}-data-path {' '.join(paths)}: a blend of vision-language records is read from "
+                    "--data-path W1 P1 W2 P2 ... with --split; give one file here"]
     return []
+
+
+def blend_of(args):
+    """[(weight or None, path)] of a --data-path blend (several files), else None."""
+    from mm_adaptor.data.blend import parse_blend
+
+    if isinstance(args.data_path, list) and len(args.data_path) > 1:
+        return parse_blend(args.data_path)
+    return None
 
 
 def split_fractions(args) -> tuple[float, float, float] | None:
@@ -218,8 +227,8 @@ def fingerprint(reports) -> str | None:
     if reports is None:
         return None
     reports = reports if isinstance(reports, dict) else {"train": reports}
-    keys = [f"{split}:{report.samples.index.directory.name}" for split, report in sorted(reports.items())
-            if hasattr(report.samples, "index")]
+    keys = [f"{split}:{report.samples.key}" for split, report in sorted(reports.items())
+            if hasattr(report.samples, "key")]
     return " ".join(keys) or None
 
 
@@ -286,6 +295,13 @@ def validate(args, config) -> list[str]:
     problems = record_split_problems(args)
     if problems:
         return problems
+    try:
+        blend = blend_of(args)
+        if blend:
+            args.validated_data = _blended_reports(args, config, tok, blend)
+            return []
+    except (DataError, ValueError) as exc:
+        return [f"--data-path {' '.join(args.data_path)}: {exc}"]
     fractions, reports, files = split_fractions(args), {}, {}
     for split in ("train", "valid", "test"):
         path = records_path(args, split)
@@ -303,6 +319,29 @@ def validate(args, config) -> list[str]:
                 "give the training split a larger share"]
     args.validated_data = reports
     return []
+
+
+def _blended_reports(args, config, tok, blend) -> dict:
+    """Each split's Report over the blend: every data set validated, split by --split, blended by its weight (by
+    its split's size where --data-path gives no weights)."""
+    from mm_adaptor.data import DataError
+    from mm_adaptor.data.blend import BlendedSamples
+    from mm_adaptor.data.vlm import Report
+
+    fractions = split_fractions(args)
+    whole = [_validated_file(args, config, path, tok) for _, path in blend]
+    weights = None if blend[0][0] is None else [weight for weight, _ in blend]
+    reports = {}
+    for split in ("train", "valid", "test"):
+        parts = [_split_report(report, fractions, split) for report in whole]
+        bad = [line for report in (whole if split == "train" else []) for line in report.bad]
+        if not any(len(part.samples) for part in parts):
+            if split == "train":
+                raise DataError(f"--split {args.split} leaves no training records")
+            reports[split] = Report([], bad)
+            continue
+        reports[split] = Report(BlendedSamples([part.samples for part in parts], weights), bad)
+    return reports
 
 
 def _validated_file(args, config, path, tok):
