@@ -77,14 +77,16 @@ def validate(data_path, tokenizer, seq_length: int, image_min_pixels: int | None
     return report
 
 
-def load_sample(sample: Sample, tokenizer, image_min_pixels, image_max_pixels, processing=None):
-    """(ids, flags, pixel_values [patches, 3*2*P*P] or None, grids) of one validated sample."""
+def load_sample(sample: Sample, tokenizer, image_min_pixels, image_max_pixels, processing=None,
+                decode_pixels: bool = True):
+    """(ids, flags, pixel_values [patches, 3*2*P*P] or None, grids) of one validated sample; without
+    decode_pixels no image is opened (pixel_values None; the grids come from the index)."""
     from PIL import Image
 
     processing = _processing(processing, image_min_pixels, image_max_pixels)
     ids, flags = encode(sample.record, sample.grids, tokenizer, processing)
     pixels = []
-    for path, grid in zip(sample.record.images, sample.grids):
+    for path, grid in zip(sample.record.images if decode_pixels else [], sample.grids):
         with Image.open(path) as image:
             values, got = processing.preprocess(image)
         if tuple(got) != tuple(grid):
@@ -148,7 +150,8 @@ class BatchIterator:
     them make one iteration. `report` is the validation pass (report.skipped: bad samples skipped)."""
 
     def __init__(self, report, tokenizer, config, seq_length, micro_batch_size, global_batch_size, dp_rank,
-                 dp_size, start_iteration, image_min_pixels, image_max_pixels, seed, processing=None, bad_limit=0):
+                 dp_size, start_iteration, image_min_pixels, image_max_pixels, seed, processing=None, bad_limit=0,
+                 decode_pixels=True):
         if global_batch_size % (micro_batch_size * dp_size):
             raise DataError(f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size "
                             f"{micro_batch_size} x data-parallel size {dp_size}")
@@ -164,6 +167,7 @@ class BatchIterator:
         self.start_iteration = start_iteration
         self.pad_id = tokenizer.special_ids["<|endoftext|>"]
         self.bad_limit, self.failed = int(bad_limit), []
+        self.decode_pixels = decode_pixels  # False: a rank whose model part takes no pixels (pipeline stages > 0)
 
     def load(self, index: int):
         """(load_sample of sample `index`, the index loaded). One that fails to load (its image gone, changed or
@@ -172,7 +176,8 @@ class BatchIterator:
         samples = self.report.samples
         for _ in range(len(samples)):
             try:
-                return load_sample(samples[index], self.tokenizer, *self.pixels, self.processing), index
+                return load_sample(samples[index], self.tokenizer, *self.pixels, self.processing,
+                                   self.decode_pixels), index
             except LOAD_ERRORS as exc:
                 self.failed.append(_failure(samples, index, exc))
             if len(self.failed) > self.bad_limit:
@@ -230,7 +235,8 @@ def build(data_path, tokenizer, config, seq_length: int, micro_batch_size: int =
           dp_rank: int = 0, dp_size: int = 1, start_iteration: int = 0,
           image_min_pixels: int | None = None, image_max_pixels: int | None = None,
           skip_bad_samples: bool = False, max_samples: int | None = None, seed: int = 1234,
-          report: Report | None = None, processing=None, cache_dir=None) -> BatchIterator:
+          report: Report | None = None, processing=None, cache_dir=None,
+          decode_pixels: bool = True) -> BatchIterator:
     """Validate the data (DataError on bad records unless skip_bad_samples) and return this rank's BatchIterator.
     config: the model's config (its token ids must be the tokenizer's: check_model_matches); processing: its
     image preprocessing (None: Qwen2.5-VL's). skip_bad_samples: True, or how many samples may fail to load while
@@ -246,7 +252,7 @@ def build(data_path, tokenizer, config, seq_length: int, micro_batch_size: int =
         raise DataError(f"no usable samples in {data_path} ({report.skipped} bad ones skipped)")
     return BatchIterator(report, tokenizer, config, seq_length, micro_batch_size, global_batch_size, dp_rank,
                          dp_size, start_iteration, image_min_pixels, image_max_pixels, seed, processing,
-                         bad_limit(skip_bad_samples))
+                         bad_limit(skip_bad_samples), decode_pixels)
 
 
 def skipped_line(failure: str, count: int, limit: int) -> str:

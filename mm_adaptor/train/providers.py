@@ -123,20 +123,42 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         view.data_parallel_size = ps.get_data_parallel_world_size()
         view.num_microbatches = view.global_batch_size // (view.micro_batch_size * view.data_parallel_size)
         view.data_split = split
+        view.decode_pixels = ps.is_pipeline_first_stage(ignore_virtual=True)  # the stage whose model takes pixels
         start_iteration = consumed[split] // view.global_batch_size
         batches = _source(family, view, start_iteration, device)
         if batches is None:  # the split has no samples
             iterators.append(None)
             continue
-        if split == "train" and args.num_workers > 0:  # made in loader workers (on the host), in the same order
+        group = _broadcast_group(family, view)
+        reads = group is None or ps.get_tensor_model_parallel_rank() == 0
+        if split == "train" and args.num_workers > 0 and reads:  # made in loader workers (on the host), in order
             from mm_adaptor.train.loader import WorkerBatches
 
             batches = WorkerBatches(functools.partial(_source, family, view, start_iteration, torch_cpu()), device,
                                     args.num_workers, packed=getattr(view, "packing", False),
                                     counts_tokens=hasattr(batches, "tokens_this_step"),
                                     bad_limit=getattr(batches, "bad_limit", 0) or 0)
+        if group is not None:
+            from mm_adaptor.train.tp_broadcast import TensorParallelBroadcast
+
+            batches = TensorParallelBroadcast(batches, group, ps.get_tensor_model_parallel_src_rank(), device)
         iterators.append(StepCounted(batches) if split == "train" else batches)
     return tuple(iterators)
+
+
+def _broadcast_group(family, view):
+    """The tensor-parallel group whose first rank reads a data set's records for all (tp_broadcast), or None: no
+    tensor parallelism, no records (generated batches cost nothing to make), or packs (each rank packs its own
+    step)."""
+    from megatron.core import parallel_state as ps
+
+    from mm_adaptor.train import vlm_data
+
+    if ps.get_tensor_model_parallel_world_size() == 1 or getattr(view, "packing", False):
+        return None
+    if not hasattr(family, "model_config") or not vlm_data.records_path(view):
+        return None
+    return ps.get_tensor_model_parallel_group()
 
 
 def torch_cpu():

@@ -122,7 +122,8 @@ class DatasetBatches:
         self.batches = build(records_path(args, split), tokenizer(args, config), config, args.seq_length,
                              args.micro_batch_size, args.global_batch_size, dp_rank, args.data_parallel_size,
                              start_iteration, skip_bad_samples=args.skip_bad_samples, seed=args.seed,
-                             report=_validated(args, split), processing=processing(args, config))
+                             report=_validated(args, split), processing=processing(args, config),
+                             decode_pixels=getattr(args, "decode_pixels", True))
 
     def __iter__(self):
         return self

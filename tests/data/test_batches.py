@@ -93,3 +93,17 @@ def test_refuses_bad_batch_sizes_and_wrong_model_ids(shapes, byte_setup):
         build(shapes, tokenizer, config, SEQ, micro_batch_size=3, global_batch_size=8, dp_size=2)
     with pytest.raises(DataError, match="image_token_id"):
         build(shapes, tokenizer, tiny_config(image_token_id=499), SEQ)
+
+
+def test_a_later_pipeline_stage_opens_no_image(shapes, byte_setup, monkeypatch):
+    """Pipeline stages after the first take no pixels: their batches open no image, and are the first stage's
+    otherwise."""
+    from PIL import Image
+
+    tokenizer, config = byte_setup
+    first = next(build(shapes, tokenizer, config, SEQ, micro_batch_size=4, global_batch_size=4))
+    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("an image was opened"))
+    later = next(build(shapes, tokenizer, config, SEQ, micro_batch_size=4, global_batch_size=4, decode_pixels=False))
+    assert first["pixel_values"] is not None and later["pixel_values"] is None
+    for name in ("input_ids", "labels", "loss_mask", "position_ids", "image_grid_thw"):
+        assert torch.equal(first[name], later[name]), name
