@@ -51,7 +51,8 @@ for _ in range(10000):
 grown = rss() - before
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-print(json.dumps({"seconds": seconds, "samples": len(report.samples), "bad": report.skipped, "grown": grown,
+import mm_adaptor
+print(json.dumps({"module": mm_adaptor.__file__, "seconds": seconds, "samples": len(report.samples), "bad": report.skipped, "grown": grown,
                   "peak": peak, "children_peak": children}))
 """ % (SEQ, SEQ)
 
@@ -83,7 +84,11 @@ def generate(folder: str, count: int, images: int = 1000, seed: int = 0) -> str:
 def measure(path: str, cache: str, workers: int, site: str | None) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p))
     done = subprocess.run([sys.executable, "-c", MEASURE, path, cache, str(workers), "old" if site else "new"],
-                          env=env, capture_output=True, text=True, check=True)
+                          env=env, capture_output=True, text=True, check=True,
+                          cwd=os.path.dirname(path))  # not a checkout's root: `-c` puts the working folder first
+    if site:
+        assert json.loads(done.stdout.strip().splitlines()[-1])["module"].startswith(os.path.abspath(site)), \
+            f"the old path imported another mm_adaptor: {done.stdout}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -14,6 +14,10 @@ os.environ.setdefault("PYTHONWARNINGS", "ignore")
 _own_baseline_cache = "MM_ADAPTOR_BASELINE_CACHE" not in os.environ
 if _own_baseline_cache:
     os.environ["MM_ADAPTOR_BASELINE_CACHE"] = tempfile.mkdtemp(prefix="mm-adaptor-baselines-")
+# The data indexes the tests build (each of a temporary data set) stay out of the user's cache.
+_own_data_cache = "MM_ADAPTOR_DATA_CACHE" not in os.environ
+if _own_data_cache:
+    os.environ["MM_ADAPTOR_DATA_CACHE"] = tempfile.mkdtemp(prefix="mm-adaptor-data-index-")
 
 
 # The test command's time guard (scripts/time_budget.py) reads each leg's seconds per test file from here.
@@ -35,6 +39,8 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session, exitstatus):
     if _own_baseline_cache:
         shutil.rmtree(os.environ["MM_ADAPTOR_BASELINE_CACHE"], ignore_errors=True)
+    if _own_data_cache:
+        shutil.rmtree(os.environ["MM_ADAPTOR_DATA_CACHE"], ignore_errors=True)
     path = _times_path
     if path and _seconds_per_file:
         with open(f"{path}.lock", "w") as lock:  # legs that run side by side finish into the same file

@@ -30,9 +30,14 @@ PROGRESS_SECONDS = 10.0
 _ARRAYS = ("spans", "lengths", "grid_offsets", "grids")
 
 
+CACHE_ENV = "MM_ADAPTOR_DATA_CACHE"
+
+
 def cache_root(cache_dir=None) -> Path:
+    """cache_dir (--data-cache), else $MM_ADAPTOR_DATA_CACHE, else the user cache's data-index folder."""
     from mm_adaptor.core.cache import user_cache
 
+    cache_dir = cache_dir or os.environ.get(CACHE_ENV)
     return Path(cache_dir).expanduser().resolve() if cache_dir else user_cache("data-index")
 
 
@@ -188,7 +193,11 @@ def build(files, tokenizer, seq_length: int, processing, directory, max_samples=
                 "tokenizer": tokenizer.identity(), "processing": repr(processing), "max_samples": max_samples,
                 "seconds": round(time.monotonic() - started, 1), **counts}
         (staging / "index.json").write_text(json.dumps(meta, indent=1))
-        os.replace(staging, directory)
+        try:
+            os.replace(staging, directory)
+        except OSError:  # another builder (a node whose lock this one could not see) finished first: its index
+            if not (directory / "index.json").exists():
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     seconds = time.monotonic() - started

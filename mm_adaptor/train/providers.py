@@ -201,9 +201,18 @@ class StepCounted:
     def __iter__(self):
         return self
 
+    def start_step(self) -> None:
+        from mm_adaptor.train import step_log
+
+        start = getattr(self.batches, "start_step", None)
+        if start is not None:
+            with step_log.STEP.waiting_for_data():  # packs: the step's samples are read here
+                start()
+
     def __next__(self):
         from mm_adaptor.train import step_log
 
-        batch = next(self.batches)
+        with step_log.STEP.waiting_for_data():
+            batch = next(self.batches)
         step_log.STEP.count(batch)
         return batch

@@ -6,6 +6,8 @@ its vision tower's FLOPs. At the step's end one all-reduce makes them global (St
 - Megatron's num_floating_point_operations (hence --log-throughput's TFLOP/s) gains the vision tower's FLOPs;
 - --log-throughput's line gains the MFU against the device's peak (mm_adaptor.devices.peak_flops), naming it;
 - --log-tps adds MindSpeed-MM's tokens per sample, non-padding tokens per second and samples per second;
+- every line gains the data wait: the time a step waited for its batches (reading them, or for the loader
+  workers), the slowest rank's, per step since the last line;
 - a line gains the samples that failed to load and were skipped so far (--skip-bad-samples), where there are any;
 - every line gains the peak memory of the most loaded rank (the device allocator's peak; on the CPU, which has
   none, the rank process's peak resident set);
@@ -14,7 +16,9 @@ its vision tower's FLOPs. At the step's end one all-reduce makes them global (St
 
 from __future__ import annotations
 
+import contextlib
 import re
+import time
 from dataclasses import dataclass, field
 
 ITERATION_LINE = re.compile(r" iteration +(\d+)/ *\d+ \| consumed samples:")
@@ -36,11 +40,23 @@ class StepTotals:
     interval_steps: int = 0
     peak_bytes: int = 0  # the largest of the ranks' peaks so far
     skipped_samples: int = 0  # samples that failed to load and were skipped, all ranks, so far
+    data_seconds: float = 0.0  # this step's wait for its batches, this rank
+    interval_data_seconds: float = 0.0  # the slowest rank's per step, summed since the last line
     last: dict = field(default_factory=dict)
 
     def reset_step(self) -> None:
         self.tokens = self.samples = self.rows = 0
         self.vision_flops = 0.0
+        self.data_seconds = 0.0
+
+    @contextlib.contextmanager
+    def waiting_for_data(self):
+        """Time the step spends waiting for its batches (reading, or for the loader workers)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.data_seconds += time.perf_counter() - start
 
     def count(self, batch: dict) -> None:
         """One micro-batch as the forward step reads it."""
@@ -76,9 +92,10 @@ class StepTotals:
         dist.all_reduce(vision)
         from mm_adaptor.devices.memory import peak_bytes
 
-        peak = torch.tensor([peak_bytes(device)], dtype=torch.int64, device=device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        self.peak_bytes = int(peak[0])
+        slowest = torch.tensor([peak_bytes(device), int(self.data_seconds * 1e6)], dtype=torch.int64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        self.peak_bytes = int(slowest[0])
+        self.interval_data_seconds += int(slowest[1]) / 1e6
         self.tokens, self.rows, self.skipped_samples = int(local[0]), int(local[1]), int(local[2])
         self.samples = args.global_batch_size
         self.vision_flops = float(vision[0])
@@ -110,6 +127,10 @@ class StepTotals:
                 mfu = float(throughput.group(1)) / peak.tflops
                 fields.append(f"MFU: {100 * mfu:.1f}% of {peak.describe()}")
                 self.last["mfu"] = mfu
+        if self.interval_steps:
+            wait = 1000 * self.interval_data_seconds / steps
+            fields.append(f"data wait (ms, slowest rank): {wait:.1f}")
+            self.last["data_wait_ms"] = wait
         if self.peak_bytes:
             fields.append(f"peak memory (GiB, most loaded rank): {self.peak_bytes / 2**30:.3f}")
             self.last["peak_bytes"] = self.peak_bytes
@@ -121,6 +142,7 @@ class StepTotals:
         if spread:
             fields.append(spread)
         self.interval_tokens = self.interval_samples = self.interval_steps = 0
+        self.interval_data_seconds = 0.0
         return "".join(f" {f} |" for f in fields)
 
 

@@ -165,5 +165,7 @@ def test_no_evaluation_where_the_split_has_no_samples_and_a_damaged_sample_is_sk
     built = list((tmp_path / "index").glob("*/index.json"))
     assert len(built) == 1 and json.loads(built[0].read_text())["samples"] == 8
     assert "broken data stream when reading image file (1 of at most 1)\n" in run.out
+    waits = [float(v) for v in run.field("data wait (ms, slowest rank)")]
+    assert len(waits) == 4 and all(w >= 0 for w in waits) and max(waits) > 0, waits
     skipped = run.field("samples skipped (failed to load)")
     assert skipped[-1] == "1" and len(skipped) >= 1, skipped  # the epoch of 8 read once: one skip
