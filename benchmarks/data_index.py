@@ -52,7 +52,8 @@ grown = rss() - before
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 import mm_adaptor
-print(json.dumps({"module": mm_adaptor.__file__, "seconds": seconds, "samples": len(report.samples), "bad": report.skipped, "grown": grown,
+print(json.dumps({"module": mm_adaptor.__file__, "seconds": seconds, "samples": len(report.samples),
+                  "bad": report.skipped, "grown": grown,
                   "peak": peak, "children_peak": children}))
 """ % (SEQ, SEQ)
 

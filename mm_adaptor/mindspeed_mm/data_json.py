@@ -171,8 +171,10 @@ def apply(args, path: str) -> list[str]:
         args.split = "100,0,0"
     pre = sections["preprocess_parameters"]
     low, high = pre.get("image_min_pixels"), pre.get("image_max_pixels")
-    args.image_min_pixels = None if low is None else max(1, int(low))  # their 0: no lower bound
-    args.image_max_pixels = None if high is None else int(high)
+    if low is not None:
+        args.image_min_pixels = max(1, int(low))  # their 0: no lower bound
+    if high is not None:
+        args.image_max_pixels = int(high)
     source = pre.get("model_name_or_path")
     if source:
         directory = Path(source)

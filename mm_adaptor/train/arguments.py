@@ -93,6 +93,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
           help="train on the good records of the data and count the bad ones, instead of refusing them; while "
                "training, skip up to N samples that fail to load (default N: 100), each said in one line and "
                "counted on the iteration line; past N the run stops naming them")
+    g.add("--image-min-pixels", type=int, default=None, metavar="N",
+          help="an image is resized to at least N pixels (default: the model's preprocessor_config.json, else its "
+               "family's; MindSpeed-MM's data.json image_min_pixels)")
+    g.add("--image-max-pixels", type=int, default=None, metavar="N",
+          help="and to at most N pixels (MindSpeed-MM's data.json image_max_pixels)")
     g.add("--restart-data", action="store_true",
           help="on resuming (--load), read the data from its first sample instead of where the saved run stopped, "
                "e.g. after changing the data set (which is refused without it)")
