@@ -9,6 +9,16 @@ from mm_adaptor.data.records import IMAGE_TAG, Record
 DEFAULT_SYSTEM = "You are a helpful assistant."
 
 
+def default_system(config) -> str | None:
+    """The system prompt the config's family's chat template writes when the messages have none: its package's
+    DEFAULT_SYSTEM_PROMPT (None: no system turn), Qwen2.5-VL's otherwise."""
+    if config is None:
+        return DEFAULT_SYSTEM
+    from mm_adaptor.models import family_package
+
+    return getattr(family_package(config), "DEFAULT_SYSTEM_PROMPT", DEFAULT_SYSTEM)
+
+
 def encode(record: Record, grids, tokenizer, processing=None) -> tuple[list[int], list[bool]]:
     """(token ids, is-target flag per token) of one record, images expanded to their pad tokens (processing's
     merge size; None: Qwen2.5-VL's)."""
@@ -17,8 +27,10 @@ def encode(record: Record, grids, tokenizer, processing=None) -> tuple[list[int]
     im_start, im_end = [special["<|im_start|>"]], [special["<|im_end|>"]]
     pieces = []  # (str or list of ids, target)
     messages = record.messages
-    system = messages[0]["content"] if messages[0]["role"] == "system" else DEFAULT_SYSTEM
-    pieces += [(im_start, False), ("system\n" + system, False), (im_end, False), ("\n", False)]
+    system = messages[0]["content"] if messages[0]["role"] == "system" else getattr(tokenizer, "default_system",
+                                                                                      DEFAULT_SYSTEM)
+    if system is not None:  # the family's template writes no system turn without a system message (Qwen3-VL)
+        pieces += [(im_start, False), ("system\n" + system, False), (im_end, False), ("\n", False)]
     grid_iter = iter(grids)
     for message in messages[1:] if messages[0]["role"] == "system" else messages:
         target = message["role"] == "assistant"

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from mm_adaptor.data.records import DataError
+from mm_adaptor.data.template import default_system
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>")
@@ -37,6 +38,7 @@ class ByteTokenizer:
         self.special_ids = {name: fixed[name] if name in fixed else next(free) for name in SPECIAL_TOKENS}
         self.vocab_size = max(self.special_ids.values()) + 1
         self.model_vocab_size = config.vocab_size
+        self.default_system = default_system(config)
         if self.vocab_size > config.vocab_size:
             raise DataError(f"the byte tokenizer needs ids up to {self.vocab_size - 1}; the model's vocab is "
                             f"{config.vocab_size}")
@@ -47,7 +49,7 @@ class ByteTokenizer:
 
     def identity(self) -> str:
         """What its ids depend on (a data index's key)."""
-        return "bytes " + json.dumps(self.special_ids, sort_keys=True)
+        return "bytes " + json.dumps([self.special_ids, self.default_system], sort_keys=True)
 
     def decode(self, ids) -> str:
         out, run = [], bytearray()
@@ -102,6 +104,7 @@ class HFTokenizer:
             self.special_ids[name] = int(token_id)
         self.vocab_size = len(self.hf)
         self.directory = directory
+        self.default_system = default_system(config)
 
     def identity(self) -> str:
         """What its ids depend on (a data index's key): its files' content."""
@@ -109,7 +112,7 @@ class HFTokenizer:
         for path in sorted(Path(self.directory).iterdir()):
             if path.is_file() and path.name in TOKENIZER_FILES:
                 digest.update(path.name.encode() + b"\0" + path.read_bytes())
-        return "hf " + digest.hexdigest() + " " + json.dumps(self.special_ids, sort_keys=True)
+        return "hf " + digest.hexdigest() + " " + json.dumps([self.special_ids, self.default_system], sort_keys=True)
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False)) if text else []

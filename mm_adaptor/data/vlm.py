@@ -1,7 +1,7 @@
 """Qwen2.5-VL training batches from messages-format data: validation, token layout, DP sharding, collation.
 
-Token layout of a sample (Qwen2.5-VL's chat template; every `<image>` tag becomes <|vision_start|>, one
-<|image_pad|> per merged patch (t*h*w/4), <|vision_end|>):
+Token layout of a sample (Qwen2.5-VL's chat template; Qwen3-VL's writes no system turn without a system message;
+every `<image>` tag becomes <|vision_start|>, one <|image_pad|> per merged patch (t*h*w/4), <|vision_end|>):
   <|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n<|im_start|>user\\n...<|im_end|>\\n
   <|im_start|>assistant\\n...<|im_end|>\\n   (further user/assistant turns alike)
 Loss targets: each assistant reply and its <|im_end|>; the system, user turns, assistant headers and the newline

@@ -107,3 +107,25 @@ def test_a_later_pipeline_stage_opens_no_image(shapes, byte_setup, monkeypatch):
     assert first["pixel_values"] is not None and later["pixel_values"] is None
     for name in ("input_ids", "labels", "loss_mask", "position_ids", "image_grid_thw"):
         assert torch.equal(first[name], later[name]), name
+
+
+def test_each_familys_default_system_turn():
+    """Qwen2.5-VL's template adds its default system prompt to messages without one; Qwen3-VL's writes a system turn
+    only for a system message (its tokenizer's identity, hence a data index's key, says which)."""
+    from mm_adaptor.data import load_tokenizer
+    from mm_adaptor.data.records import Record
+    from mm_adaptor.data.template import encode
+    from mm_adaptor.models import qwen2_5_vl, qwen3_vl
+
+    user = {"role": "user", "content": "Hi"}
+    texts = {}
+    for name, package in (("qwen2_5_vl", qwen2_5_vl), ("qwen3_vl", qwen3_vl)):
+        tokenizer = load_tokenizer(None, package.tiny_config())
+        for system in (None, "Be brief."):
+            messages = ([{"role": "system", "content": system}] if system else []) + [user]
+            texts[name, system] = tokenizer.decode(encode(Record("f", "line 1", messages), [], tokenizer)[0])
+    assert texts["qwen2_5_vl", None].startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+    assert texts["qwen3_vl", None] == "<|im_start|>user\nHi<|im_end|>\n"
+    for name in ("qwen2_5_vl", "qwen3_vl"):
+        assert texts[name, "Be brief."] == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    assert load_tokenizer(None, qwen3_vl.tiny_config()).identity() != load_tokenizer(None).identity()

@@ -6,6 +6,9 @@ from mm_adaptor.models.qwen3_vl.config import (  # noqa: F401
     vision_transformer_config,
 )
 
+# Qwen3-VL's chat template writes a system turn only for a system message (Qwen2.5-VL's adds a default one)
+DEFAULT_SYSTEM_PROMPT = None
+
 
 def model_provider(*args, **kwargs):
     """See model.model_provider (imported on call: megatron loads only when a model is built)."""
