@@ -63,19 +63,21 @@ def read(path: str) -> dict:
     return data
 
 
-def dataset_file(sections: dict, path: str) -> Path:
-    """basic_parameters.dataset: as given (relative to the working directory), else relative to dataset_dir."""
+def dataset_files(sections: dict, path: str) -> list[Path]:
+    """basic_parameters.dataset, one file or several separated by commas (read one after the other, as MindSpeed-MM
+    concatenates them): each as given (relative to the working directory), else relative to dataset_dir."""
     basic = sections["basic_parameters"]
-    name = basic.get("dataset")
-    if not name or not isinstance(name, str):
+    names = basic.get("dataset")
+    if not names or not isinstance(names, str):
         raise DataJsonError(f"--mm-data {path}: dataset_param.basic_parameters.dataset names no file")
-    if "," in name:
-        raise DataJsonError(f"--mm-data {path}: dataset {name!r} names several files: give one (or merge them)")
     folder = basic.get("dataset_dir") or "."
-    for candidate in (Path(name), Path(folder) / name):
-        if candidate.is_file():
-            return candidate.resolve()
-    raise DataJsonError(f"--mm-data {path}: dataset {name} does not exist (nor under dataset_dir {folder})")
+    files = []
+    for name in (n.strip() for n in names.split(",") if n.strip()):
+        found = [c for c in (Path(name), Path(folder) / name) if c.is_file()]
+        if not found:
+            raise DataJsonError(f"--mm-data {path}: dataset {name} does not exist (nor under dataset_dir {folder})")
+        files.append(found[0].resolve())
+    return files
 
 
 def _media(name: str, folder: str) -> str:
@@ -124,26 +126,31 @@ def _read_dataset(file: Path, path: str) -> list:
     return records
 
 
-def normalized_dataset(sections: dict, path: str) -> Path:
-    """The dataset in the driver's messages format (named by its content: every rank writes the same file)."""
+def normalized_dataset(sections: dict, path: str, file: Path) -> Path:
+    """The dataset in the driver's messages format, written once (every rank and every later start finds the same
+    file)."""
     attr = {**DEFAULT_ATTR, **{k: v for k, v in sections["attr"].items() if k in DEFAULT_ATTR}}
     for key in ("messages", "role_tag", "content_tag", "user_tag", "assistant_tag"):
         if not attr[key]:
             raise DataJsonError(f"--mm-data {path}: attr.{key} is empty: name the record's key")
-    file = dataset_file(sections, path)
-    records = _read_dataset(file, path)
     limit = sections["basic_parameters"].get("max_samples")
+    folder = sections["basic_parameters"].get("dataset_dir") or "."
+    # named by what it is made of (the file as its size and modification time say, and the settings), so that a
+    # later start finds it without reading the dataset again
+    stat = file.stat() if file.is_file() else None
+    made_of = json.dumps([str(file), stat and (stat.st_size, stat.st_mtime_ns), attr, folder, limit], sort_keys=True)
+    digest = hashlib.sha256(made_of.encode()).hexdigest()[:16]
+    out = Path(tempfile.gettempdir()) / "mm-adaptor-mm-data" / f"{file.stem}-{digest}.json"
+    if out.exists():
+        return out
+    records = _read_dataset(file, path)
     if limit is not None:
         records = records[:int(limit)]
-    folder = sections["basic_parameters"].get("dataset_dir") or "."
     text = json.dumps(_records(records, attr, folder, str(file)), ensure_ascii=False)
-    digest = hashlib.sha256(f"{file}\n{text}".encode()).hexdigest()[:16]
-    out = Path(tempfile.gettempdir()) / "mm-adaptor-mm-data" / f"{file.stem}-{digest}.json"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        partial = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-        partial.write_text(text)
-        partial.replace(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    partial.write_text(text)
+    partial.replace(out)
     return out
 
 
@@ -162,11 +169,12 @@ def apply(args, path: str) -> list[str]:
                                 f"supported here: give {wanted!r}")
     loader = [f"{section}.{key}" for section, key in LOADER_FIELDS if sections[section].get(key) is not None]
     notes = [f"--mm-data {path}: {', '.join(loader)}: no effect here ({LOADER_NOTE})"] if loader else []
-    dataset = str(normalized_dataset(sections, path))
+    # several files: a blend weighted by their sizes (train.vlm_data), drawn in the proportions of their concatenation
+    datasets = [str(normalized_dataset(sections, path, file)) for file in dataset_files(sections, path)]
     given = args.data_path if isinstance(args.data_path, list) else [args.data_path] if args.data_path else []
-    if given and [os.path.abspath(p) for p in given] != [dataset]:
+    if given and [os.path.abspath(p) for p in given] != datasets:
         raise DataJsonError(f"--data-path {' '.join(given)} and --mm-data {path} both name the data set: give one")
-    args.data_path = [dataset]
+    args.data_path = datasets
     if args.split is None:  # their data.json trains on every record
         args.split = "100,0,0"
     pre = sections["preprocess_parameters"]

@@ -305,6 +305,22 @@ def test_data_json_maps_keys_images_pixels_and_tokenizer(tmp_path):
     assert json.loads(open(args.data_path[0]).read()) == [] and args.split == "100,0,0"
 
 
+def test_data_json_with_several_files_blends_them_and_a_later_start_reads_none(tmp_path, monkeypatch):
+    path = _data(tmp_path, dataset="records.json, more.json")
+    more = [{"conv": [{"who": "human", "text": "Hi"}, {"who": "gpt", "text": "Hello."}]}] * 3
+    (tmp_path / "data" / "more.json").write_text(json.dumps(more))
+    args = argparse.Namespace(data_path=None, tokenizer_model=None, split=None)
+    data_json.apply(args, path)
+    assert [len(json.loads(open(p).read())) for p in args.data_path] == [1, 3]  # a blend weighted by sizes
+    monkeypatch.setattr(data_json, "_read_dataset", lambda *a: pytest.fail("the dataset was read again"))
+    again = argparse.Namespace(data_path=None, tokenizer_model=None, split=None)
+    data_json.apply(again, path)
+    assert again.data_path == args.data_path
+    (tmp_path / "data" / "more.json").write_text(json.dumps(more[:2]))  # a changed file is read again
+    with pytest.raises(pytest.fail.Exception, match="read again"):
+        data_json.apply(argparse.Namespace(data_path=None, tokenizer_model=None, split=None), path)
+
+
 @pytest.mark.parametrize("basic, words", [
     ({"dataset": "gone.json"}, "dataset gone.json does not exist"),
     ({"template": "llava"}, "basic_parameters.template 'llava' changes the chat template"),
