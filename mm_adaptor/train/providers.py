@@ -141,20 +141,20 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         if group is not None:
             from mm_adaptor.train.tp_broadcast import TensorParallelBroadcast
 
-            batches = TensorParallelBroadcast(batches, group, ps.get_tensor_model_parallel_src_rank(), device)
+            batches = TensorParallelBroadcast(batches, group, ps.get_tensor_model_parallel_src_rank(), device,
+                                              packed=getattr(view, "packing", False))
         iterators.append(StepCounted(batches) if split == "train" else batches)
     return tuple(iterators)
 
 
 def _broadcast_group(family, view):
-    """The tensor-parallel group whose first rank reads a data set's records for all (tp_broadcast), or None: no
-    tensor parallelism, no records (generated batches cost nothing to make), or packs (each rank packs its own
-    step)."""
+    """The tensor-parallel group whose first rank reads (and packs) a data set's records for all (tp_broadcast), or
+    None: no tensor parallelism, or no records (generated batches cost nothing to make)."""
     from megatron.core import parallel_state as ps
 
     from mm_adaptor.train import vlm_data
 
-    if ps.get_tensor_model_parallel_world_size() == 1 or getattr(view, "packing", False):
+    if ps.get_tensor_model_parallel_world_size() == 1:
         return None
     if not hasattr(family, "model_config") or not vlm_data.records_path(view):
         return None

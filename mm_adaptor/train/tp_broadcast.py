@@ -9,20 +9,36 @@ import dataclasses
 
 class TensorParallelBroadcast:
     """The batches of `source` on the tensor-parallel group's first rank, the same batches received on the others
-    (whose `source` is never read). Other attributes (the step's token counts, the samples skipped) are the
+    (whose `source` is never read). With packs (`packed`), the first rank packs each step (start_step) and the
+    others learn how many packs it made. Other attributes (the step's token counts, the samples skipped) are the
     source's: meaningful on the first rank, which is the one that counts (step_log)."""
 
-    def __init__(self, source, group, first_rank: int, device):
+    def __init__(self, source, group, first_rank: int, device, packed: bool = False):
         import torch.distributed as dist
 
         self.source, self.group, self.first_rank, self.device = source, group, first_rank, device
-        self.reads = dist.get_rank() == first_rank
+        self.reads, self.packed = dist.get_rank() == first_rank, packed
+        self.step = None  # (packs, tokens) of the current step, with packs
 
     def __getattr__(self, name):
+        if name in ("microbatches_this_step", "tokens_this_step") and self.__dict__.get("step") is not None:
+            return self.step[0 if name == "microbatches_this_step" else 1]
         return getattr(self.source, name)
 
     def __iter__(self):
         return self
+
+    def start_step(self) -> None:
+        import torch.distributed as dist
+
+        if not self.packed:
+            getattr(self.source, "start_step", lambda: None)()
+            return
+        if self.reads:
+            self.source.start_step()
+        step = [(self.source.microbatches_this_step, self.source.tokens_this_step) if self.reads else None]
+        dist.broadcast_object_list(step, src=self.first_rank, group=self.group, device=_object_device(self.device))
+        self.step = step[0]
 
     def __next__(self) -> dict:
         import torch.distributed as dist

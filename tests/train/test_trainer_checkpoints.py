@@ -98,8 +98,9 @@ def test_each_family_resumes_at_another_layout(tmp_path, model, source, targets)
 
 def test_a_converted_hf_checkpoint_fine_tunes_and_converts_back(tmp_path):
     """An HF checkpoint converted by `mm-adaptor convert hf-to-mcore` trains in the trainer (started as --finetune,
-    a line says so) with both towers frozen, and its save converts back to HF: every tensor is the HF original's
-    but the projector's, which trained. Without --lr it is refused in one line (Megatron has no default)."""
+    a line says so) with both towers frozen, on packs of its records (TP2: the first rank packs for both), and its
+    save converts back to HF: every tensor is the HF original's but the projector's, which trained. Without --lr it
+    is refused in one line (Megatron has no default)."""
     from safetensors.torch import load_file
 
     from mm_adaptor.cli import main
@@ -111,7 +112,8 @@ def test_a_converted_hf_checkpoint_fine_tunes_and_converts_back(tmp_path):
     assert main(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "mcore")]) == 0
     command = ["--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--load", str(tmp_path / "mcore"),
                "--data-path", shapes, "--split", "100,0,0", "--seq-length", "256", "--micro-batch-size", "1",
-               "--global-batch-size", "2", "--train-iters", "2", *QUICK, "--freeze-vision", "--freeze-language"]
+               "--global-batch-size", "2", "--train-iters", "2", *QUICK, "--freeze-vision", "--freeze-language",
+               "--packing", "--calculate-per-token-loss"]  # packs made on TP rank 0, broadcast to its peer
     refused = train(command)
     assert refused.status == 2 and "--lr: missing, and Megatron-LM has no default" in refused.err, refused.err
     run = train([*command, "--lr", "1e-3", "--save", str(tmp_path / "saved"), "--save-interval", "2"])

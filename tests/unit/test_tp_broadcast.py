@@ -28,6 +28,19 @@ class _Source:
                                                                              cu_seqlens_q=torch.tensor([0, 6]))}
 
 
+class _PackedSource(_Source):
+    """A step of packs: the first rank's steps make 2, 3, 1 packs; another rank's own would make 5 each."""
+
+    def __init__(self, rank):
+        super().__init__(rank)
+        self.steps, self.microbatches_this_step, self.tokens_this_step = 0, 0, 0
+
+    def start_step(self):
+        self.steps += 1
+        self.microbatches_this_step = (2, 3, 1)[self.steps - 1] if self.rank == 0 else 5
+        self.tokens_this_step = 10 * self.microbatches_this_step
+
+
 def _rank_main(workdir):
     import torch
 
@@ -44,6 +57,15 @@ def _rank_main(workdir):
             results[variant] = {"batches": [{k: v for k, v in b.items() if k != "packed_seq_params"} for b in got],
                                 "cu_seqlens": [b["packed_seq_params"].cu_seqlens_q for b in got],
                                 "read": source.read}
+        source = _PackedSource(torch.distributed.get_rank())
+        packs = tp_broadcast.TensorParallelBroadcast(source, ps.get_tensor_model_parallel_group(),
+                                                     ps.get_tensor_model_parallel_src_rank(), "cpu", packed=True)
+        steps = []
+        for _ in range(3):
+            packs.start_step()
+            steps.append((packs.microbatches_this_step, packs.tokens_this_step,
+                          [next(packs)["input_ids"] for _ in range(packs.microbatches_this_step)]))
+        results["packed"] = {"steps": steps, "read": source.read, "packed_steps": source.steps}
 
 
 def _same(a, b) -> bool:
@@ -61,3 +83,8 @@ def test_tensor_parallel_peers_train_on_the_first_ranks_batches(tmp_path):
     assert all(a.equal(b) for a, b in zip(first["cu_seqlens"], second["cu_seqlens"]))
     first, second = (rank["broken"] for rank in ranks)
     assert not _same(first["batches"], second["batches"])
+    first, second = (rank["packed"] for rank in ranks)  # packs: the first rank packs, the peer learns the count
+    assert [(n, t) for n, t, _ in first["steps"]] == [(n, t) for n, t, _ in second["steps"]] == [(2, 20), (3, 30),
+                                                                                                  (1, 10)]
+    assert all(a.equal(b) for one, other in zip(first["steps"], second["steps"]) for a, b in zip(one[2], other[2]))
+    assert (first["read"], first["packed_steps"], second["read"], second["packed_steps"]) == (6, 3, 0, 0)
