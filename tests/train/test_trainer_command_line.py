@@ -47,8 +47,8 @@ def test_help_prints_megatron_s_arguments_and_the_trainer_s_apart():
     (["--model", "qwen2_5_vl"], "--model qwen2_5_vl needs --load MCORE_DIR"),
     (["--model", "qwen2_5_vl-tiny", "--make-vocab-size-divisible-by", "128"],
      "--make-vocab-size-divisible-by 128 pads the vocabulary, but qwen2_5_vl's output layer"),
-    (["--model", "qwen2_5_vl-tiny", "--data-path", "a.json", "b.json"],
-     "--data-path a.json b.json: several data sets (a weighted blend) are not read"),
+    (["--model", "qwen2_5_vl-tiny", "--data-path", "0.7", "a.json", "0.3"],
+     "--data-path 0.7 a.json 0.3: weights and paths come in pairs (W1 P1 W2 P2 ...)"),
     (["--use-fused-rmsnorm"], "--use-fused-rmsnorm needs --normalization RMSNorm"),
 ], ids=lambda value: " ".join(value) if isinstance(value, list) else None)
 def test_a_bad_command_is_one_line_before_any_rank(argv, expected):
