@@ -31,8 +31,8 @@ def _parser(name: str) -> ArgumentParser:
         parser.add_argument("data_path", metavar="DATA")
         if name == "prepare":
             parser.add_argument("cache_dir", metavar="OUT", nargs="?", default=None,
-                                help="where indexes live: the trainer's --data-cache (default: the user cache, "
-                                     "$XDG_CACHE_HOME/mm_adaptor/data-index)")
+                                help="where indexes live: the trainer's --data-cache (default: "
+                                     "$MM_ADAPTOR_DATA_CACHE, else $XDG_CACHE_HOME/mm_adaptor/data-index)")
             parser.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
         parser.add_argument("--seq-length", type=int, required=True)
         parser.add_argument("--tokenizer-model", default=None, help="an HF tokenizer directory (default: bytes)")

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -158,9 +159,6 @@ class IndexedSamples(Sequence):
             raise IndexError(f"sample {i} of {len(self)}")
         return self.index.sample(self.start + i)
 
-    def lengths(self) -> np.ndarray:
-        return np.asarray(self.index.lengths[self.start:self.stop])
-
     @property
     def key(self) -> str:
         """The data's identity: its index's key, and the part of it these samples are."""
@@ -180,7 +178,7 @@ def build(files, tokenizer, seq_length: int, processing, directory, max_samples=
     try:
         sources = [_line_source(path, file_id, staging) for file_id, path in enumerate(files)]
         tasks = [task for source in sources for task in _chunks(source)]
-        total = sum(task[5] - task[4] for task in tasks)
+        total = sum(task.end - task.start for task in tasks)
         if verbose or total >= 64 << 20:
             print(f"mm-adaptor data: indexing {', '.join(files)} ({total / 1e6:.0f} MB) once, into {directory}",
                   file=sys.stderr, flush=True)
@@ -224,8 +222,19 @@ def _line_source(path: str, file_id: int, staging: Path) -> dict:
     return {"file_id": file_id, "source": path, "lines": str(lines), "kind": "record"}
 
 
+class Chunk(NamedTuple):
+    """A pool task: bytes start..end (whole lines) of the file records are read from, its first line's number."""
+    file_id: int
+    path: str
+    source: str  # the user's file (image paths are relative to its folder)
+    kind: str  # "line" (JSONL) or "record" (a JSON list, rewritten)
+    start: int
+    end: int
+    number: int
+
+
 def _chunks(source: dict):
-    """(file_id, file, source, kind, start, end, first number): byte ranges of whole lines."""
+    """The Chunks of a file, about CHUNK_BYTES each."""
     path, number, start = source["lines"], 1, 0
     with open(path, "rb") as f:
         while True:
@@ -234,7 +243,7 @@ def _chunks(source: dict):
                 return
             if not block.endswith(b"\n"):
                 block += f.readline()
-            yield source["file_id"], path, source["source"], source["kind"], start, start + len(block), number
+            yield Chunk(source["file_id"], path, source["source"], source["kind"], start, start + len(block), number)
             start += len(block)
             number += block.count(b"\n") + (not block.endswith(b"\n"))
 
@@ -258,7 +267,7 @@ def _validate_chunks(tasks, settings, workers, max_samples, total, started):
         for task, part in zip(tasks, results):
             parts.append(part)
             read += part["records"]
-            done += task[5] - task[4]
+            done += task.end - task.start
             if max_samples is not None and read >= max_samples:
                 break
             now = time.monotonic()

@@ -144,8 +144,6 @@ def load_tokenizer(tokenizer_model: str | None = None, config=None, looked_in=No
 
 def for_checkpoint(tokenizer_model: str | None, load: str | None, config):
     """--tokenizer-model, else --load's hf/ where it holds tokenizer.json, else load_tokenizer(None, ...)."""
-    from pathlib import Path
-
     hf = Path(load) / "hf" if load else None
     if not tokenizer_model and hf is not None and (hf / "tokenizer.json").exists():
         tokenizer_model = str(hf)

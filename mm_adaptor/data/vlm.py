@@ -140,7 +140,7 @@ def stream_index(samples, position: int, seed: int) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _permutation(num_samples: int, seed: int, epoch: int) -> list:
+def _permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(num_samples, generator=generator)
 
@@ -206,7 +206,7 @@ class BatchIterator:
         self._micro += 1
         if self._micro == self.num_microbatches:
             self.iteration, self._micro = self.iteration + 1, 0
-        loaded, chosen = zip(*(self.load(i) for i in chosen)) if chosen else ((), [])
+        loaded, chosen = zip(*(self.load(i) for i in chosen))  # a sample that failed to load: its substitute
         return collate(list(loaded), self.seq_length, self.pad_id, self.config, list(chosen))
 
     def step_positions(self, iteration: int) -> list[int]:

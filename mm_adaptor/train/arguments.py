@@ -103,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                "e.g. after changing the data set (which is refused without it)")
     g.add("--data-cache", default=None, metavar="DIR",
           help="where the data's index is built once and found after (`mm-adaptor data prepare DATA DIR` builds "
-               "it ahead); on several nodes, a shared directory (default: $XDG_CACHE_HOME/mm_adaptor/data-index)")
+               "it ahead); on several nodes, a shared directory (default: $MM_ADAPTOR_DATA_CACHE, else "
+               "$XDG_CACHE_HOME/mm_adaptor/data-index)")
     g.add("--packing", action="store_true",
           help="pack each step's samples (per data-parallel rank) into micro-batches of at most --seq-length tokens, "
                "first-fit decreasing, attention kept within each sample; needs --micro-batch-size 1")
