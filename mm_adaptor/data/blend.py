@@ -2,7 +2,8 @@
 their sizes).
 
 Position p of the blended stream goes to the data set whose share is furthest behind its weight: the one with the
-largest w_d * (p + 1) - (its draws before p), ties to the first (Megatron's BlendedDataset). Each data set's k-th
+largest w_d * max(p, 1) - (its draws before p), ties to the first, computed by Megatron's own helper
+(megatron.core.datasets.helpers_cpp.build_blending_indices, as its BlendedDataset does). Each data set's k-th
 draw is sample k of its own endless stream of seeded per-epoch permutations. Every prefix of the stream holds each
 data set within one sample of its weight, and a position's sample depends on nothing but the position: any
 data-parallel size and any resume read the same."""
@@ -50,7 +51,6 @@ class BlendedSamples(Sequence):
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self._sets = np.zeros(0, dtype=np.int16)
         self._draws = np.zeros(0, dtype=np.int64)
-        self._counts = np.zeros(len(self.components), dtype=np.int64)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -82,14 +82,11 @@ class BlendedSamples(Sequence):
         return int(self.offsets[d]) + stream_index(self.components[d], draw, seed * 7919 + d)
 
     def _assign_block(self) -> None:
-        start, weights = len(self._sets), self.weights.tolist()
-        counts = self._counts.tolist()
-        sets, draws = [], []
-        for p in range(start + 1, start + BLOCK + 1):
-            d = max(range(len(weights)), key=lambda j: (weights[j] * p - counts[j], -j))
-            sets.append(d)
-            draws.append(counts[d])
-            counts[d] += 1
-        self._counts = np.array(counts, dtype=np.int64)
-        self._sets = np.concatenate([self._sets, np.array(sets, dtype=np.int16)])
-        self._draws = np.concatenate([self._draws, np.array(draws, dtype=np.int64)])
+        """The assignment of the stream's first len + BLOCK positions, by Megatron's own helper (recomputed from
+        position 0: the greedy order depends on every earlier draw)."""
+        from megatron.core.datasets import helpers_cpp
+
+        size = len(self._sets) + BLOCK
+        sets, draws = np.zeros(size, dtype=np.int16), np.zeros(size, dtype=np.int64)
+        helpers_cpp.build_blending_indices(sets, draws, self.weights, len(self.components), size, False)
+        self._sets, self._draws = sets, draws
