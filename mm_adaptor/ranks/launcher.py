@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from mm_adaptor.ranks.process import (PRELOAD_MODULE, die_with_launcher, exit_skipping_teardown, free_port,
-                                     is_process_helper, rank_context, stdio_for)
+                                     is_process_helper, rank_context, stdio_for, write_whole_lines)
 
 __all__ = ["LaunchError", "Interrupted", "Nodes", "launch", "free_port", "under_launcher", "report_progress",
            "report_interruptions", "is_process_helper", "rank_context"]
@@ -148,6 +148,7 @@ def _rank_entry(fn, args, local_rank, nproc, nodes, port, threads, errors, rank_
                 environment, stdio, graceful):
     global _progress_slots
     die_with_launcher(launcher_pid, graceful)
+    write_whole_lines()
     _progress_slots = (progress, local_rank)
     report_progress("starting")
     _forward_warnings_to(rank_warnings)

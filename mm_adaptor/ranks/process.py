@@ -225,6 +225,15 @@ def stdio_for(ctx):
     return _LauncherStdio()
 
 
+def write_whole_lines() -> None:
+    """Ranks share the launcher's stdout and stderr: each line goes out in one write, which a pipe keeps whole
+    (up to PIPE_BUF bytes), so another rank's text never lands between a print's text and its newline (it did,
+    unbuffered or when a full block buffer split them)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def exit_skipping_teardown(code: int) -> None:
     """Exit a rank, or the program, with `code` once what it sent, started and buffered is out, skipping the
     interpreter's teardown.

@@ -266,7 +266,10 @@ def _results_queue_forked() -> None:
 def run_rank(argv: list[str], handoff: dict | None = None) -> None:
     """This rank's whole job: the one-line import, the trainer's patches, pretrain()."""
     import mm_adaptor.megatron_adaptor  # noqa: F401  (the device backend, feature flags and features)
+    from mm_adaptor.ranks.process import write_whole_lines
     from mm_adaptor.train import arguments, megatron_training, providers
+
+    write_whole_lines()  # under torchrun too
 
     patches = trainer_patch_set(handoff)
     patches.apply()

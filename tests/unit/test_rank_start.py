@@ -2,6 +2,7 @@
 a fresh process, so nothing one run patches reaches the next; a launcher whose environment changed spawns instead;
 a forked rank writes to the launcher's stdout as it is now and reports the import-time warnings as its own."""
 
+import io
 import json
 import os
 import subprocess
@@ -26,6 +27,7 @@ def _record(path):
         "parent": os.getppid(),
         "marker": os.environ.get("MM_ADAPTOR_TEST_MARKER"),
         "torch_marker": os.environ.get("TORCH_TEST_MARKER"),
+        "whole_lines": sys.stdout.line_buffering and not sys.stdout.write_through,
     }
     if os.environ["RANK"] == "0":
         with open(path, "w") as f:
@@ -58,6 +60,7 @@ def test_ranks_fork_from_the_preloaded_server_and_nothing_leaks_between_runs(tmp
     state = json.loads(path.read_text())
     assert state["preloaded"], "the rank did not start from the server's imports"
     assert state["parent"] != os.getpid(), "a forked rank is the server's child, not the launcher's"
+    assert state["whole_lines"], "the rank's stdout may split a line between writes"
     assert state["server_exits_without_teardown"] is True
 
     seen = tmp_path / "seen"
@@ -180,3 +183,29 @@ def test_a_forked_rank_writes_to_the_launcher_s_stdout_as_it_is_now(tmp_path, fo
     assert first.returncode == 0, first.stderr
     assert first.stdout.count("hello from rank 0") == 1, first.stdout
     assert moved.read_text().count("hello from rank 0") == 1, "the second rank wrote to the server's stdout"
+
+
+class _Writes(io.RawIOBase):
+    def __init__(self):
+        self.calls = []
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        self.calls.append(bytes(data))
+        return len(data)
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_printed_line_is_one_write_even_unbuffered(monkeypatch, whole):
+    raw = _Writes()
+    unbuffered = io.TextIOWrapper(raw, write_through=True)  # stdout as PYTHONUNBUFFERED makes it
+    monkeypatch.setattr(sys, "stdout", unbuffered)
+    if whole:
+        process.write_whole_lines()
+    print("iteration 1 |", flush=True)
+    if whole:
+        assert raw.calls == [b"iteration 1 |\n"]
+    else:  # the broken variant: another rank's text can land between these two
+        assert raw.calls == [b"iteration 1 |", b"\n"]
