@@ -56,4 +56,10 @@ torch_ok="import sys, torch; s = sys.argv[1]; sys.exit('==' in s and torch.__ver
 # the vlm extra allows transformers 4.57 to 5.x: each leg pins the major it exercises
 case ",$EXTRAS," in *,vlm,*) PINNED=("$TRANSFORMERS_SPEC") ;; *) PINNED=() ;; esac
 "$VENV/bin/python" -m pip install -q "$MEGATRON_SPEC" ${PINNED[@]+"${PINNED[@]}"} -e ".[$EXTRAS]"
+# transformers' video processors need torchvision (tests compare the video pixels with theirs on the newest leg):
+# the build for this torch, without dependencies (they could replace torch)
+if [ "${1:-}" = latest ]; then
+  "$VENV/bin/python" -c "import torchvision" 2>/dev/null ||
+    "$VENV/bin/python" -m pip install -q --no-deps "${TORCHVISION_SPEC:-torchvision==0.28.0}"
+fi
 [ "$created" = no ] || echo "set up $VENV ($("$VENV/bin/python" --version), $MEGATRON_SPEC) in $(( $(date +%s) - start )) s" >&2

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 
+from mm_adaptor.data import pixels
 from mm_adaptor.data.pixels import refuse_unsupported as _refuse_unsupported, to_rgb  # noqa: F401
+from mm_adaptor.data.video import frame_timestamps, video_placeholder, video_smart_resize  # noqa: F401
 
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
 IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -45,6 +46,7 @@ class ImageProcessing:
     image_std: tuple = IMAGE_STD
     min_pixels: int = DEFAULT_MIN_PIXELS
     max_pixels: int = DEFAULT_MAX_PIXELS
+    video: object = None  # data.video.VideoProcessing: how records' videos are read (None: videos are refused)
 
     @property
     def factor(self) -> int:
@@ -58,16 +60,16 @@ class ImageProcessing:
         error naming it."""
         _refuse_unsupported(config)
         size = config.get("size") or {}
-        found = {f.name: config[f.name] for f in dataclasses.fields(cls) if config.get(f.name) is not None}
+        found = {name: config[name] for name in _SETTINGS if config.get(name) is not None}
         for ours, theirs in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
             if ours not in found and size.get(theirs) is not None:
                 found[ours] = size[theirs]
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in found]
+        missing = [name for name in _SETTINGS if name not in found]
         if missing and defaults is None:
             raise ValueError(f"the preprocessor config lacks {', '.join(missing)} (min_pixels/max_pixels may be "
                              f"given as size shortest_edge/longest_edge)")
         values = {name: getattr(defaults, name) for name in missing}
-        values.update(found)
+        values.update(found, video=defaults.video if defaults is not None else None)
         for name in ("image_mean", "image_std"):
             values[name] = tuple(float(v) for v in values[name])
         for name in ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels"):
@@ -85,12 +87,13 @@ class ImageProcessing:
         if family not in FAMILY_DEFAULTS:
             raise ValueError(f"no image preprocessing known for model family {family!r} "
                              f"(known: {', '.join(FAMILY_DEFAULTS)})")
-        return dataclasses.replace(FAMILY_DEFAULTS[family], **_model_sizes(config))
+        return with_video(dataclasses.replace(FAMILY_DEFAULTS[family], **_model_sizes(config)), family)
 
     @classmethod
     def for_directory(cls, directory, config, video: bool = False) -> ImageProcessing:
         """A converted checkpoint's preprocessing: DIR/preprocessor_config.json (video: video_preprocessor_config.json)
-        for Qwen3-VL, required, its patch, merge and temporal sizes checked against the model config's. Qwen2.5-VL
+        for Qwen3-VL, required, its patch, merge and temporal sizes checked against the model config's; its
+        videos' from video_preprocessor_config.json where the directory has one. Qwen2.5-VL
         keeps this repository's defaults (for_model) without reading the file, as its training and generation
         always did (its published file says max_pixels 12845056, the default here is 28*28*1280)."""
         family = model_family(config)
@@ -107,7 +110,11 @@ class ImageProcessing:
         if wrong:
             said = ", ".join(f"{k} {ours} (model: {theirs})" for k, (ours, theirs) in wrong.items())
             raise ValueError(f"{path} does not fit the model: {said}")
-        return processing
+        video_path = Path(directory) / VIDEO_PREPROCESSOR_CONFIG
+        if video or not video_path.is_file():  # without the file, a record's video is refused naming it
+            return processing
+        cls.for_directory(directory, config, video=True)  # its sizes checked against the model's
+        return with_video(processing, family, json.loads(video_path.read_text()))
 
     def with_pixels(self, min_pixels: int | None = None, max_pixels: int | None = None) -> ImageProcessing:
         """These pixel bounds where given (not None), the others kept."""
@@ -146,23 +153,28 @@ class ImageProcessing:
         return self._patchify_frames(chw[None])
 
     def video_frames(self, frames):
-        """A short video as PIL frames (one size) -> (pixel_values_videos float32 [grid_t*h*w, 3*T*P*P],
-        grid_thw), as transformers 4.57's Qwen3VLVideoProcessor computes them: one size for the whole clip from
-        the clip's volume (video_smart_resize), frames resized as torchvision does on the CPU (uint8 bicubic with
-        antialias), rescale and normalisation fused into (x - 255*mean) / (255*std) in float32, frames taken T at
-        a time, a count not divisible by T padded with copies of the last frame. Use the parameters of
+        """A short video as PIL frames (one size) -> (pixel_values_videos, grid_thw) with Qwen3-VL's clip size
+        (video_smart_resize: one size for the whole clip from its volume); see video_pixels. Use the parameters of
         video_preprocessor_config.json (its pixel bounds are the clip's, not a frame's)."""
-        import torch
-
         frames = list(frames)
         if len({f.size for f in frames}) > 1:
             raise ValueError(f"video frames of different sizes: {sorted({f.size for f in frames})}")
         clip = np.stack([np.asarray(to_rgb(f)) for f in frames])  # [n, H, W, 3]
         count, height, width = clip.shape[:3]
-        rows, cols = video_smart_resize(count, height, width, self.factor, self.temporal_patch_size, self.min_pixels,
-                                        self.max_pixels)
-        video = torch.from_numpy(clip).permute(0, 3, 1, 2).contiguous()  # [n, 3, H, W] uint8
-        if (rows, cols) != (height, width):
+        return self.video_pixels(clip, video_smart_resize(count, height, width, self.factor, self.temporal_patch_size,
+                                                          self.min_pixels, self.max_pixels))
+
+    def video_pixels(self, clip: np.ndarray, size):
+        """Frames uint8 RGB [n, H, W, 3] -> (pixel_values_videos float32 [grid_t*h*w, 3*T*P*P], grid_thw), as
+        transformers' Qwen2-VL and Qwen3-VL video processors compute them once they have the frame size `size`
+        (rows, cols): frames resized as torchvision does on the CPU (uint8 bicubic with antialias), rescale and
+        normalisation fused into (x - 255*mean) / (255*std) in float32, frames taken T at a time, a count not
+        divisible by T padded with copies of the last frame."""
+        import torch
+
+        rows, cols = size
+        video = torch.from_numpy(np.ascontiguousarray(clip)).permute(0, 3, 1, 2).contiguous()  # [n, 3, H, W] uint8
+        if (rows, cols) != tuple(video.shape[-2:]):
             video = torch.nn.functional.interpolate(video, size=[rows, cols], mode="bicubic", align_corners=False,
                                                     antialias=True)
         mean = torch.tensor(self.image_mean) * 255.0
@@ -185,12 +197,29 @@ class ImageProcessing:
         return np.ascontiguousarray(flat, dtype=np.float32), (grid_t, grid_h, grid_w)
 
 
-QWEN2_5_VL = ImageProcessing()
-# Qwen3-VL's published preprocessor_config.json (the Instruct and Thinking checkpoints)
-QWEN3_VL = ImageProcessing(patch_size=16, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
-                           min_pixels=65536, max_pixels=16777216)
-FAMILY_DEFAULTS = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL, "qwen3_vl_moe": QWEN3_VL}
+def with_video(processing: ImageProcessing, family: str, video_config: dict | None = None) -> ImageProcessing:
+    """processing with its family's video processing: the video processor class's defaults (pixel bounds, fps 2,
+    4 to 768 frames) over the image sizes and statistics, or those of a video_preprocessor_config.json's dict."""
+    from mm_adaptor.data import video as video_ops
+
+    rules = "qwen2_5_vl" if family == "qwen2_5_vl" else "qwen3_vl"
+    low, high = video_ops.QWEN2_5_VL_VIDEO_PIXELS if rules == "qwen2_5_vl" else video_ops.QWEN3_VL_VIDEO_PIXELS
+    frames = dataclasses.replace(processing, min_pixels=low, max_pixels=high, video=None)
+    sampling = {}
+    if video_config is not None:
+        frames = ImageProcessing.from_preprocessor_config(video_config, defaults=frames)
+        sampling = {name: type(default)(video_config[name]) for name, default in
+                    (("fps", 2.0), ("min_frames", 4), ("max_frames", 768)) if video_config.get(name) is not None}
+    return dataclasses.replace(processing, video=video_ops.VideoProcessing(rules, frames, **sampling))
+
+
 TILED_FAMILIES = ("internvl", "internvl_chat")  # InternVL: dynamic tiling (models/internvl/tiles.Tiling)
+QWEN2_5_VL = with_video(ImageProcessing(), "qwen2_5_vl")
+# Qwen3-VL's published preprocessor_config.json (the Instruct and Thinking checkpoints)
+QWEN3_VL = with_video(ImageProcessing(patch_size=16, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
+                                     min_pixels=65536, max_pixels=16777216), "qwen3_vl")
+FAMILY_DEFAULTS = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL, "qwen3_vl_moe": QWEN3_VL}
+_SETTINGS = [f.name for f in dataclasses.fields(ImageProcessing) if f.name != "video"]
 
 
 def _tiling(config, directory=None):
@@ -216,61 +245,8 @@ def model_family(config) -> str | None:
 
 def smart_resize(height: int, width: int, factor: int = PATCH_SIZE * MERGE_SIZE,
                  min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
-    """(height, width) rounded to multiples of factor, the area within [min_pixels, max_pixels], the aspect ratio
-    kept as near as the rounding allows (Python's round, as transformers)."""
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.1f} is over 200")
-    rows = round(height / factor) * factor
-    cols = round(width / factor) * factor
-    if rows * cols > max_pixels:
-        shrink = math.sqrt(height * width / max_pixels)
-        rows = max(factor, math.floor(height / shrink / factor) * factor)
-        cols = max(factor, math.floor(width / shrink / factor) * factor)
-    elif rows * cols < min_pixels:
-        grow = math.sqrt(min_pixels / (height * width))
-        rows = math.ceil(height * grow / factor) * factor
-        cols = math.ceil(width * grow / factor) * factor
-    return rows, cols
-
-
-def video_smart_resize(frames: int, height: int, width: int, factor: int, temporal_factor: int, min_pixels: int,
-                       max_pixels: int) -> tuple[int, int]:
-    """Qwen3-VL's frame size for a clip: as smart_resize, but the bounds hold the clip's volume (frames rounded to
-    the temporal patch, times the frame's area), and too few frames, a side under factor or an aspect ratio over
-    200 are errors (as in transformers)."""
-    if frames < temporal_factor:
-        raise ValueError(f"a video needs at least {temporal_factor} frames, got {frames}")
-    if min(height, width) < factor:
-        raise ValueError(f"video frames of {width}x{height}: both sides must be at least {factor}")
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.1f} is over 200")
-    rows, cols = round(height / factor) * factor, round(width / factor) * factor
-    volume = round(frames / temporal_factor) * temporal_factor * rows * cols
-    if volume > max_pixels:
-        shrink = math.sqrt(frames * height * width / max_pixels)
-        rows = max(factor, math.floor(height / shrink / factor) * factor)
-        cols = max(factor, math.floor(width / shrink / factor) * factor)
-    elif volume < min_pixels:
-        grow = math.sqrt(min_pixels / (frames * height * width))
-        rows = math.ceil(height * grow / factor) * factor
-        cols = math.ceil(width * grow / factor) * factor
-    return rows, cols
-
-
-def frame_timestamps(frame_indices, fps: float, merge_size: int = 2) -> list[float]:
-    """Seconds of each temporal patch as Qwen3VLProcessor writes them: the sampled frame indices padded with the
-    last to a multiple of merge_size (transformers groups by the merge size, which equals the temporal patch 2),
-    each group's first and last frame times averaged."""
-    indices = [int(i) for i in frame_indices]
-    indices += indices[-1:] * (-len(indices) % merge_size)
-    return [(indices[i] / fps + indices[i + merge_size - 1] / fps) / 2 for i in range(0, len(indices), merge_size)]
-
-
-def video_placeholder(timestamps, tokens_per_frame: int) -> str:
-    """The text that replaces "<|vision_start|><|video_pad|><|vision_end|>" in Qwen3-VL's prompt: per temporal
-    patch "<{seconds:.1f} seconds>" then a vision block of tokens_per_frame video pads."""
-    block = "<|vision_start|>" + "<|video_pad|>" * tokens_per_frame + "<|vision_end|>"
-    return "".join(f"<{seconds:.1f} seconds>{block}" for seconds in timestamps)
+    """pixels.smart_resize with Qwen2.5-VL's defaults."""
+    return pixels.smart_resize(height, width, factor, min_pixels, max_pixels)
 
 
 def grid_for_size(width: int, height: int, min_pixels: int = DEFAULT_MIN_PIXELS,

@@ -24,6 +24,9 @@ restarted per sample. (Multimodal rope frequencies are per token already: the pa
 
 from __future__ import annotations
 
+# a VLM sample's visual inputs, in the model's keyword names (None where the sample has none)
+VISUAL_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
 TEXT_FIELDS = ("tokens", "labels", "loss_mask")
 
 
@@ -101,7 +104,8 @@ def padded_for_context_parallel(sample: dict, cp_size: int) -> dict:
 
 def pack(samples: list[dict], capacity: int) -> dict:
     """One micro-batch [1, capacity] of `samples`: each a dict of tokens, labels, loss_mask [L] and position_ids
-    [L] (or [3, L]), optionally pixel_values [patches, dim] and image_grid_thw [images, 3]. Adds the padding
+    [L] (or [3, L]), optionally VISUAL_FIELDS (pixel_values [patches, dim], image_grid_thw [images, 3], and the
+    videos' alike). Adds the padding
     segment; "segments" holds the lengths (padding included), "tokens_real" the samples' tokens."""
     import torch
 
@@ -120,7 +124,7 @@ def pack(samples: list[dict], capacity: int) -> dict:
     if pad:
         positions.append(restarted_positions([pad]).expand(*positions[0].shape[:-1], pad))
     batch["position_ids"] = torch.cat(positions, dim=-1).unsqueeze(-2)  # [1, S] or [3, 1, S]
-    for name in ("pixel_values", "image_grid_thw"):
+    for name in VISUAL_FIELDS:
         parts = [s[name] for s in samples if s.get(name) is not None]
         if parts or name in samples[0]:
             batch[name] = torch.cat(parts) if parts else None

@@ -1,5 +1,6 @@
 """Pixel-level steps every family's preprocessing shares (Qwen's patches in data.images, InternVL's tiles in
-models/internvl/tiles.py): RGB as transformers makes it, and the preprocessor settings none of them implements."""
+models/internvl/tiles.py, videos in data.video): RGB as transformers makes it, the preprocessor settings none of
+them implements, and Qwen's smart_resize of an image or a video frame."""
 
 from __future__ import annotations
 
@@ -28,3 +29,21 @@ def refuse_unsupported(config: dict) -> None:
     factor = config.get("rescale_factor")
     if factor is not None and not math.isclose(float(factor), 1 / 255, rel_tol=1e-9):
         raise ValueError(f"preprocessor config rescale_factor={factor} is not supported (only 1/255)")
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) rounded to multiples of factor, the area within [min_pixels, max_pixels], the aspect ratio
+    kept as near as the rounding allows (Python's round, as transformers)."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.1f} is over 200")
+    rows = round(height / factor) * factor
+    cols = round(width / factor) * factor
+    if rows * cols > max_pixels:
+        shrink = math.sqrt(height * width / max_pixels)
+        rows = max(factor, math.floor(height / shrink / factor) * factor)
+        cols = max(factor, math.floor(width / shrink / factor) * factor)
+    elif rows * cols < min_pixels:
+        grow = math.sqrt(min_pixels / (height * width))
+        rows = math.ceil(height * grow / factor) * factor
+        cols = math.ceil(width * grow / factor) * factor
+    return rows, cols

@@ -3,8 +3,9 @@
 A data file is JSON (a list of records) or JSONL (one record a line):
   {"messages": [{"role": "user", "content": "<image>What is in the picture?"},
                 {"role": "assistant", "content": "..."}], "images": ["path.jpg"]}
-Image paths are relative to the data file's folder. An optional first message with role "system" replaces the
-default system prompt; then user and assistant turns alternate, starting with the user."""
+Image and video paths ("videos": ["clip.mp4"], one `<video>` tag each) are relative to the data file's folder. An
+optional first message with role "system" replaces the default system prompt; then user and assistant turns
+alternate, starting with the user."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from mm_adaptor.core.errors import ConfigurationError
 
 IMAGE_TAG = "<image>"
+VIDEO_TAG = "<video>"
 
 
 class DataError(ConfigurationError):
@@ -23,20 +25,24 @@ class DataError(ConfigurationError):
 
 @dataclass
 class Record:
-    """One sample: its data file, where in it ('record N' or 'line N'), its messages and absolute image paths."""
+    """One sample: its data file, where in it ('record N' or 'line N'), its messages, absolute image and video
+    paths."""
     file: str
     where: str
     messages: list
     images: list = field(default_factory=list)
     order: tuple = (0, 0)  # (file index, record or line number): sorts reports in file order
+    videos: list = field(default_factory=list)
 
 
 @dataclass
 class Sample:
-    """A validated record: its image grids (grid_thw per image, from the image's size) and its token count."""
+    """A validated record: its image grids (grid_thw per image, from the image's size), its token count and its
+    videos' data.video.Clip (frame count, rate and size, from the container)."""
     record: Record
     grids: list
     length: int
+    clips: list = field(default_factory=list)
 
 
 def data_files(data_path) -> list[str]:
@@ -66,13 +72,14 @@ def parse_record(path, where, raw):
     expected = ["user", "assistant"] * (len(turns) // 2)
     if not turns or turns != expected or len(turns) % 2:
         return None, f"roles {roles}: want an optional system, then user and assistant turns alternating"
-    images = raw.get("images", [])
-    if isinstance(images, str):
-        images = [images]
-    if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
-        return None, '"images" is not a list of paths'
-    folder = os.path.dirname(path)
-    return Record(path, where, messages, [os.path.join(folder, i) for i in images]), None
+    paths = {}
+    for key in ("images", "videos"):
+        found = raw.get(key) or []
+        found = [found] if isinstance(found, str) else found
+        if not isinstance(found, list) or not all(isinstance(i, str) for i in found):
+            return None, f'"{key}" is not a list of paths'
+        paths[key] = [os.path.join(os.path.dirname(path), i) for i in found]
+    return Record(path, where, messages, paths["images"], videos=paths["videos"]), None
 
 
 def llava_to_messages(in_path: str, out_path: str, image_folder: str | None = None) -> int:

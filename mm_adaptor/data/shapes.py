@@ -2,7 +2,8 @@
 
 Each image (non-square, sides from 112 to 308 px, multiples of 28 or not) shows 1..3 shapes of one kind and colour
 on a light background, in cells of a grid so they never overlap. The caption comes from a vocabulary of a dozen
-words, so a small model can learn it. Written as messages-format JSON beside the PNG files."""
+words, so a small model can learn it. Written as messages-format JSON beside the PNG files. With `videos`, every
+that-many-th record is instead a short MPEG-4 clip (PyAV) of its shapes drifting across the frame."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220), 
 SHAPES = ("circle", "square", "triangle")
 NUMBERS = {1: "1", 2: "2", 3: "3"}
 QUESTION = "<image>What is in the picture?"
+VIDEO_QUESTION = "<video>What is in the video?"
 SIDES = (112, 140, 150, 168, 196, 224, 250, 280, 308)
 
 
@@ -46,8 +48,10 @@ def draw(width: int, height: int, count: int, colour: str, shape: str, rng: rand
     return image
 
 
-def make_shapes(out_dir: str, count: int = 64, seed: int = 0, name: str = "shapes.json") -> str:
-    """Write `count` PNG images and out_dir/name (messages format, paths relative to it); returns the JSON path."""
+def make_shapes(out_dir: str, count: int = 64, seed: int = 0, name: str = "shapes.json", videos: int = 0) -> str:
+    """Write `count` PNG images (with `videos` > 0, every videos-th record a clip instead: sides a quarter of an
+    image's, 6 to 12 frames at 4 to 12 frames per second) and out_dir/name (messages format, paths relative to
+    it); returns the JSON path."""
     rng = random.Random(seed)
     os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
     records = []
@@ -56,12 +60,30 @@ def make_shapes(out_dir: str, count: int = 64, seed: int = 0, name: str = "shape
         while width == height:
             height = rng.choice(SIDES)
         number, colour, shape = rng.randint(1, 3), rng.choice(list(COLOURS)), rng.choice(SHAPES)
+        answer = [{"role": "assistant", "content": caption(number, colour, shape)}]
+        if videos and i % videos == videos - 1:
+            from mm_adaptor.data.video import write_clip
+
+            frames, fps = rng.randint(6, 12), rng.choice((4, 6, 12))
+            image = draw(width, height, number, colour, shape, rng)
+            small = image.resize((width // 4 * 2, height // 4 * 2))  # even sides: the codec's 4:2:0 chroma
+            relative = os.path.join("images", f"{i:05d}.mp4")
+            clip = [_shifted(small, step) for step in range(frames)]
+            write_clip(os.path.join(out_dir, relative), clip, fps)
+            records.append({"messages": [{"role": "user", "content": VIDEO_QUESTION}, *answer],
+                            "videos": [relative]})
+            continue
         relative = os.path.join("images", f"{i:05d}.png")
         draw(width, height, number, colour, shape, rng).save(os.path.join(out_dir, relative))
-        records.append({"messages": [{"role": "user", "content": QUESTION},
-                                     {"role": "assistant", "content": caption(number, colour, shape)}],
-                        "images": [relative]})
+        records.append({"messages": [{"role": "user", "content": QUESTION}, *answer], "images": [relative]})
     path = os.path.join(out_dir, name)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(records, f, indent=1)
     return path
+
+
+def _shifted(image, step: int):
+    """The image rolled `step` pixels right and down (the clip's motion)."""
+    import numpy as np
+
+    return np.roll(np.asarray(image), (step, step), axis=(0, 1))

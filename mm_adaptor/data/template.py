@@ -3,8 +3,12 @@ targets (see mm_adaptor.data.vlm for the layout). No torch: the data index's wor
 
 from __future__ import annotations
 
+import re
+
 from mm_adaptor.data import images as image_ops
-from mm_adaptor.data.records import IMAGE_TAG, Record
+from mm_adaptor.data.records import IMAGE_TAG, VIDEO_TAG, Record
+
+_TAGS = re.compile(f"({re.escape(IMAGE_TAG)}|{re.escape(VIDEO_TAG)})")
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 
@@ -19,9 +23,10 @@ def default_system(config) -> str | None:
     return getattr(family_package(config), "DEFAULT_SYSTEM_PROMPT", DEFAULT_SYSTEM)
 
 
-def encode(record: Record, grids, tokenizer, processing=None) -> tuple[list[int], list[bool]]:
+def encode(record: Record, grids, tokenizer, processing=None, clips=()) -> tuple[list[int], list[bool]]:
     """(token ids, is-target flag per token) of one record, images expanded to their pad tokens (processing's
-    merge size; None: Qwen2.5-VL's)."""
+    merge size; None: Qwen2.5-VL's), videos (`clips`, data.video.Clip each) to the family's placeholder
+    (processing.video.pieces)."""
     processing = processing or image_ops.QWEN2_5_VL
     special = tokenizer.special_ids
     im_start, im_end = [special["<|im_start|>"]], [special["<|im_end|>"]]
@@ -31,16 +36,19 @@ def encode(record: Record, grids, tokenizer, processing=None) -> tuple[list[int]
                                                                                       DEFAULT_SYSTEM)
     if system is not None:  # the family's template writes no system turn without a system message (Qwen3-VL)
         pieces += [(im_start, False), ("system\n" + system, False), (im_end, False), ("\n", False)]
-    grid_iter = iter(grids)
+    grid_iter, clip_iter = iter(grids), iter(clips)
     for message in messages[1:] if messages[0]["role"] == "system" else messages:
         target = message["role"] == "assistant"
         pieces += [(im_start, False), (message["role"] + "\n", False)]
-        for i, text in enumerate(message["content"].split(IMAGE_TAG)):
-            if i:
+        for text in _TAGS.split(message["content"]):
+            if text == IMAGE_TAG:
                 pads = processing.image_tokens(next(grid_iter))
                 vision = [special["<|vision_start|>"]] + [special["<|image_pad|>"]] * pads + [special["<|vision_end|>"]]
                 pieces.append((vision, target))
-            pieces.append((text, target))
+            elif text == VIDEO_TAG:
+                pieces += [(piece, target) for piece in processing.video.pieces(next(clip_iter), special)]
+            else:
+                pieces.append((text, target))
         pieces += [(im_end, target), ("\n", False)]
     ids, flags = [], []
     run, run_target = "", False

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from mm_adaptor.data import images as image_ops
+from mm_adaptor.data.packing import VISUAL_FIELDS
 from mm_adaptor.data.records import DataError, Sample  # noqa: F401 (Sample: re-exported)
 from mm_adaptor.data.template import DEFAULT_SYSTEM, encode  # noqa: F401 (re-exported)
 
@@ -77,14 +79,26 @@ def validate(data_path, tokenizer, seq_length: int, image_min_pixels: int | None
     return report
 
 
+class Loaded(NamedTuple):
+    """One sample loaded: token ids, is-target flags, its images' pixel_values [patches, 3*2*P*P] and grids, its
+    videos' pixel_values_videos and grids and (Qwen2.5-VL) seconds per temporal patch; pixels None without any."""
+    ids: list
+    flags: list
+    pixels: torch.Tensor | None
+    grids: list
+    video_pixels: torch.Tensor | None = None
+    video_grids: list = []
+    seconds: list = []
+
+
 def load_sample(sample: Sample, tokenizer, image_min_pixels, image_max_pixels, processing=None,
-                decode_pixels: bool = True):
-    """(ids, flags, pixel_values [patches, 3*2*P*P] or None, grids) of one validated sample; without
-    decode_pixels no image is opened (pixel_values None; the grids come from the index)."""
+                decode_pixels: bool = True) -> Loaded:
+    """One validated sample loaded; without decode_pixels no image or video is opened (pixels None; the grids come
+    from the index)."""
     from PIL import Image
 
     processing = _processing(processing, image_min_pixels, image_max_pixels)
-    ids, flags = encode(sample.record, sample.grids, tokenizer, processing)
+    ids, flags = encode(sample.record, sample.grids, tokenizer, processing, sample.clips)
     pixels = []
     for path, grid in zip(sample.record.images if decode_pixels else [], sample.grids):
         with Image.open(path) as image:
@@ -92,7 +106,14 @@ def load_sample(sample: Sample, tokenizer, image_min_pixels, image_max_pixels, p
         if tuple(got) != tuple(grid):
             raise DataError(f"{path}: changed since validation (grid {got}, was {grid})")
         pixels.append(torch.from_numpy(values))
-    return ids, flags, (torch.cat(pixels) if pixels else None), sample.grids
+    video = getattr(processing, "video", None)  # (a record with videos was refused by validation without one)
+    video_grids = [video.grid(clip) for clip in sample.clips]
+    frames = [torch.from_numpy(video.pixels(path, clip)[0])
+              for path, clip in zip(sample.record.videos if decode_pixels else [], sample.clips)]
+    seconds = [video.seconds_per_grid(clip) for clip in sample.clips] if video_grids and video.family == "qwen2_5_vl" \
+        else []
+    return Loaded(ids, flags, torch.cat(pixels) if pixels else None, sample.grids,
+                  torch.cat(frames) if frames else None, video_grids, seconds)
 
 
 def collate(loaded, seq_length: int, pad_id: int, config, sample_index=None) -> dict:
@@ -103,24 +124,46 @@ def collate(loaded, seq_length: int, pad_id: int, config, sample_index=None) -> 
     input_ids = torch.full((b, seq_length), pad_id, dtype=torch.long)
     labels = torch.full((b, seq_length), IGNORE_INDEX, dtype=torch.long)
     attention_mask = torch.zeros((b, seq_length), dtype=torch.bool)
-    for row, (ids, flags, _, _) in enumerate(loaded):
+    for row, (ids, flags, *_) in enumerate(loaded):
         n = len(ids)
         input_ids[row, :n] = torch.tensor(ids, dtype=torch.long)
         attention_mask[row, :n] = True
         next_is_target = torch.tensor(flags[1:], dtype=torch.bool)
         labels[row, :n - 1] = torch.where(next_is_target, input_ids[row, 1:n], IGNORE_INDEX)
     loss_mask = (labels != IGNORE_INDEX).float()
-    pixels = [p for _, _, p, _ in loaded if p is not None]
-    grids = [list(g) for _, _, _, gs in loaded for g in gs]
-    image_grid_thw = torch.tensor(grids, dtype=torch.long) if grids else None
-    position_ids, _ = rope_index_for(config, input_ids, image_grid_thw=image_grid_thw,
-                                     attention_mask=attention_mask.long())
+    visual = visual_fields(loaded)
+    position_ids, _ = rope_index_for(config, input_ids, attention_mask=attention_mask.long(), **positions_of(visual))
     return {
         "input_ids": input_ids, "labels": labels, "loss_mask": loss_mask, "attention_mask": attention_mask,
-        "position_ids": position_ids.long(), "pixel_values": torch.cat(pixels) if pixels else None,
-        "image_grid_thw": image_grid_thw, "num_tokens": attention_mask.sum(1),
+        "position_ids": position_ids.long(), **{name: visual[name] for name in VISUAL_FIELDS},
+        "num_tokens": attention_mask.sum(1),
         "sample_index": torch.tensor(sample_index if sample_index is not None else [-1] * b, dtype=torch.long),
     }
+
+
+def visual_fields(loaded) -> dict:
+    """The model's visual inputs of Loaded samples (VISUAL_FIELDS, each None without any) and the videos'
+    second_per_grid_ts (None without one, or for a family whose positions take none)."""
+    def joined(name):
+        parts = [getattr(one, name) for one in loaded if getattr(one, name) is not None]
+        return torch.cat(parts) if parts else None
+
+    def grid(name):
+        rows = [list(g) for one in loaded for g in getattr(one, name)]
+        return torch.tensor(rows, dtype=torch.long) if rows else None
+
+    seconds = [s for one in loaded for s in one.seconds]
+    return {"pixel_values": joined("pixels"), "image_grid_thw": grid("grids"),
+            "pixel_values_videos": joined("video_pixels"), "video_grid_thw": grid("video_grids"),
+            "second_per_grid_ts": seconds or None}
+
+
+def positions_of(visual: dict) -> dict:
+    """The rope index's keyword arguments of visual_fields."""
+    found = {"image_grid_thw": visual["image_grid_thw"], "video_grid_thw": visual["video_grid_thw"]}
+    if visual["second_per_grid_ts"] is not None:
+        found["second_per_grid_ts"] = visual["second_per_grid_ts"]
+    return found
 
 
 def global_batch_indices(iteration: int, global_batch_size: int, num_samples: int, seed: int) -> list[int]:
@@ -221,14 +264,14 @@ class BatchIterator:
         from mm_adaptor.models import sample_positions
 
         index = stream_index(self.report.samples, position, self.seed)
-        (ids, flags, pixels, grids), _ = self.load(index)
-        tokens = torch.tensor(ids, dtype=torch.long)
+        loaded, _ = self.load(index)
+        tokens = torch.tensor(loaded.ids, dtype=torch.long)
         labels = torch.full_like(tokens, IGNORE_INDEX)
-        labels[:-1] = torch.where(torch.tensor(flags[1:], dtype=torch.bool), tokens[1:], IGNORE_INDEX)
-        grid = torch.tensor([list(g) for g in grids], dtype=torch.long) if grids else None
+        labels[:-1] = torch.where(torch.tensor(loaded.flags[1:], dtype=torch.bool), tokens[1:], IGNORE_INDEX)
+        visual = visual_fields([loaded])
         return {"tokens": tokens, "labels": labels, "loss_mask": (labels != IGNORE_INDEX).float(),
-                "position_ids": sample_positions(self.config, tokens, grid),
-                "pixel_values": pixels, "image_grid_thw": grid}
+                "position_ids": sample_positions(self.config, tokens, **positions_of(visual)),
+                **{name: visual[name] for name in VISUAL_FIELDS}}
 
 
 def build(data_path, tokenizer, config, seq_length: int, micro_batch_size: int = 1, global_batch_size: int = 1,

@@ -34,8 +34,6 @@ LOADER_FIELDS = (
     ("dataset_param", "dataset_type"), ("basic_parameters", "cache_dir"),
     ("basic_parameters", "preprocessing_batch_size"), ("basic_parameters", "preprocessing_num_workers"),
     ("preprocess_parameters", "use_fast_tokenizer"), ("preprocess_parameters", "split_special_tokens"),
-    ("preprocess_parameters", "video_max_pixels"), ("preprocess_parameters", "video_min_pixels"),
-    ("preprocess_parameters", "video_fps"), ("preprocess_parameters", "video_maxlen"),
     ("dataloader_param", "dataloader_mode"), ("dataloader_param", "sampler_type"), ("dataloader_param", "drop_last"),
     ("dataloader_param", "pin_memory"), ("dataloader_param", "shuffle"), ("dataloader_param", "num_workers"),
     ("collate_param", "model_name"),
@@ -86,18 +84,15 @@ def _media(name: str, folder: str) -> str:
     return os.path.abspath(joined if os.path.isfile(joined) else name)
 
 
-def _records(raw_records, attr: dict, folder: str, where: str) -> list:
+def _records(raw_records, attr: dict, folder: str) -> list:
     roles = {attr["user_tag"]: "user", attr["assistant_tag"]: "assistant"}
     if attr.get("system_tag"):
         roles[attr["system_tag"]] = "system"
     out = []
-    for index, raw in enumerate(raw_records):
+    for raw in raw_records:
         if not isinstance(raw, dict):
             out.append(raw)  # the driver's reader names what is wrong with it
             continue
-        if attr.get("videos") and raw.get(attr["videos"]):
-            raise DataJsonError(f"{where} record {index} has videos ({attr['videos']!r}): the driver reads images "
-                                "only so far")
         messages = raw.get(attr["messages"])
         if isinstance(messages, list):
             messages = [{"role": roles.get(m.get(attr["role_tag"]), m.get(attr["role_tag"])),
@@ -105,10 +100,11 @@ def _records(raw_records, attr: dict, folder: str, where: str) -> list:
             if attr.get("system") and raw.get(attr["system"]):
                 messages = [{"role": "system", "content": raw[attr["system"]]}, *messages]
         record = {"messages": messages}
-        images = raw.get(attr["images"]) if attr.get("images") else None
-        if images:
-            images = [images] if isinstance(images, str) else images
-            record["images"] = [_media(i, folder) if isinstance(i, str) else i for i in images]
+        for kind in ("images", "videos"):
+            media = raw.get(attr[kind]) if attr.get(kind) else None
+            if media:
+                media = [media] if isinstance(media, str) else media
+                record[kind] = [_media(i, folder) if isinstance(i, str) else i for i in media]
         out.append(record)
     return out
 
@@ -146,7 +142,7 @@ def normalized_dataset(sections: dict, path: str, file: Path) -> Path:
     records = _read_dataset(file, path)
     if limit is not None:
         records = records[:int(limit)]
-    text = json.dumps(_records(records, attr, folder, str(file)), ensure_ascii=False)
+    text = json.dumps(_records(records, attr, folder), ensure_ascii=False)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     partial.write_text(text)
@@ -183,6 +179,11 @@ def apply(args, path: str) -> list[str]:
         args.image_min_pixels = max(1, int(low))  # their 0: no lower bound
     if high is not None:
         args.image_max_pixels = int(high)
+    for theirs, ours, kind in (("video_min_pixels", "video_min_pixels", int),
+                               ("video_max_pixels", "video_max_pixels", int), ("video_fps", "video_fps", float),
+                               ("video_maxlen", "video_max_frames", int)):
+        if pre.get(theirs) is not None:  # (their video_min_pixels 0: no lower bound)
+            setattr(args, ours, max(1, kind(pre[theirs])) if theirs == "video_min_pixels" else kind(pre[theirs]))
     source = pre.get("model_name_or_path")
     if source:
         directory = Path(source)

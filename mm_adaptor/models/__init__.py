@@ -13,10 +13,13 @@ def rope_index_for(config, *args, **kwargs):
     return family_package(config).rope_index_for(config, *args, **kwargs)
 
 
-def sample_positions(config, tokens, image_grid_thw=None):
-    """One sample's positions from 0 as the packer takes them: [3, L] (3-D rope) or [L], for tokens [L]."""
+def sample_positions(config, tokens, image_grid_thw=None, **videos):
+    """One sample's positions from 0 as the packer takes them: [3, L] (3-D rope) or [L], for tokens [L]; `videos`:
+    video_grid_thw (and Qwen2.5-VL's second_per_grid_ts) where the sample has videos."""
     import torch
 
     mask = torch.ones(1, tokens.numel(), dtype=torch.long)
-    positions, _ = rope_index_for(config, tokens.unsqueeze(0), image_grid_thw=image_grid_thw, attention_mask=mask)
+    videos = {name: value for name, value in videos.items() if value is not None}
+    positions, _ = rope_index_for(config, tokens.unsqueeze(0), image_grid_thw=image_grid_thw, attention_mask=mask,
+                                  **videos)
     return positions[..., 0, :] if positions.dim() == 3 else positions[0]

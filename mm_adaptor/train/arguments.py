@@ -17,6 +17,7 @@ from mm_adaptor.core.one_line_parser import ArgumentParser, count
 from mm_adaptor.mindspeed_mm import arguments as mindspeed_mm_arguments
 from mm_adaptor.models import registry
 from mm_adaptor.ranks.warning_digest import ShowEveryWarning
+from mm_adaptor.train import preprocessing, vlm_data
 
 PROG = "mm-adaptor train"
 TRAINER_GROUP = "mm_adaptor trainer (not Megatron-LM's)"
@@ -93,11 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
           help="train on the good records of the data and count the bad ones, instead of refusing them; while "
                "training, skip up to N samples that fail to load (default N: 100), each said in one line and "
                "counted on the iteration line; past N the run stops naming them")
-    g.add("--image-min-pixels", type=int, default=None, metavar="N",
-          help="an image is resized to at least N pixels (default: the model's preprocessor_config.json, else its "
-               "family's; MindSpeed-MM's data.json image_min_pixels)")
-    g.add("--image-max-pixels", type=int, default=None, metavar="N",
-          help="and to at most N pixels (MindSpeed-MM's data.json image_max_pixels)")
+    preprocessing.add_preprocessing_arguments(g.add)
     g.add("--restart-data", action="store_true",
           help="on resuming (--load), read the data from its first sample instead of where the saved run stopped, "
                "e.g. after changing the data set (which is refused without it)")
@@ -281,7 +278,7 @@ def data_resume_problems(args) -> list[str]:
     """A resumed run reads the data where the saved run stopped: its data and settings must be those the save was
     trained on (their index keys, vlm_data.fingerprint), unless --restart-data starts the data's stream anew at the
     saved iteration (args.data_first_sample: the consumed samples where the stream began, saved with the run)."""
-    from mm_adaptor.train import vlm_data
+
 
     args.data_fingerprint = vlm_data.fingerprint(getattr(args, "validated_data", None))
     args.data_first_sample = 0

@@ -28,7 +28,7 @@ def vision_flops_of_batch(batch: dict) -> float:
 
     args = get_args()
     family, config = _family_config(args)
-    if config is None or batch.get("pixel_values") is None:
+    if config is None or (batch.get("pixel_values") is None and batch.get("pixel_values_videos") is None):
         return 0.0
     tower, projector = family_package(config).vision_forward_flops(config, batch)
     return vision_flops.training_flops(tower, projector, tower_trained=not args.freeze_vision,

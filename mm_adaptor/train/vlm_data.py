@@ -4,6 +4,8 @@ same global batch, and a resumed run continues where it stopped."""
 
 from __future__ import annotations
 
+from mm_adaptor.train import preprocessing
+
 
 class _Batches:
     """Iterates micro-batches of this data-parallel rank from `sample_batch(global indices)`."""
@@ -122,7 +124,7 @@ class DatasetBatches:
         self.batches = build(records_path(args, split), tokenizer(args, config), config, args.seq_length,
                              args.micro_batch_size, args.global_batch_size, dp_rank, args.data_parallel_size,
                              start_iteration, skip_bad_samples=args.skip_bad_samples, seed=args.seed,
-                             report=_validated(args, split), processing=processing(args, config),
+                             report=_validated(args, split), processing=preprocessing.processing(args, config),
                              decode_pixels=getattr(args, "decode_pixels", True))
 
     def __iter__(self):
@@ -152,8 +154,10 @@ class DatasetBatches:
     def __next__(self):
         batch = next(self.batches)
         self.tokens_this_step += int(batch["num_tokens"].sum())
+        from mm_adaptor.data.packing import VISUAL_FIELDS
+
         return {k: batch[k].to(self.device) if batch[k] is not None else None
-                for k in ("input_ids", "labels", "loss_mask", "position_ids", "pixel_values", "image_grid_thw")}
+                for k in ("input_ids", "labels", "loss_mask", "position_ids", *VISUAL_FIELDS)}
 
 
 def records_path(args, split: str = "train") -> str | None:
@@ -248,23 +252,6 @@ def _validated(args, split: str):
     return reports.get(split) if isinstance(reports, dict) else reports
 
 
-def processing(args, config):
-    """The family's image preprocessing: a converted --load's preprocessor_config.json (Qwen3-VL requires it), the
-    family's defaults for a tiny model."""
-    from pathlib import Path
-
-    from mm_adaptor.data.images import ImageProcessing
-
-    hf = Path(args.load or "") / "hf"
-    if getattr(args, "image_processor_dir", None):  # --mm-data's model_name_or_path
-        found = ImageProcessing.for_directory(args.image_processor_dir, config)
-    elif args.load and (hf / "config.json").exists():
-        found = ImageProcessing.for_directory(hf, config)
-    else:
-        found = ImageProcessing.for_model(config)
-    return found.with_pixels(getattr(args, "image_min_pixels", None), getattr(args, "image_max_pixels", None))
-
-
 def tokenizer(args, config):
     """--tokenizer-model, else --load's hf/ where it holds one, else the byte tokenizer for a tiny model."""
     from mm_adaptor.data.tokenizer import for_checkpoint
@@ -351,7 +338,8 @@ def _validated_file(args, config, path, tok):
 
     check_model_matches(tok, config)
     report = validate_data(path, tok, args.seq_length, skip_bad_samples=args.skip_bad_samples,
-                           processing=processing(args, config), cache_dir=getattr(args, "data_cache", None))
+                           processing=preprocessing.processing(args, config),
+                           cache_dir=getattr(args, "data_cache", None))
     if not report.samples:
         raise DataError(f"no usable samples ({report.skipped} bad ones skipped)")
     if report.skipped and _says():

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from mm_adaptor.data import DataError, index as data_index, validate
+from mm_adaptor.data import DataError, index as data_index, index_build, validate
 from mm_adaptor.data.vlm import encode
 
 SEQ = 320
@@ -92,7 +92,7 @@ def test_samples_are_the_files_good_records_whatever_the_chunks(data, byte_setup
     tokenizer, _ = byte_setup
     whole = validate(data, tokenizer, SEQ, skip_bad_samples=True, cache_dir=tmp_path / "one")
     _check_against_file(whole, data, tokenizer)
-    monkeypatch.setattr(data_index, "CHUNK_BYTES", 700)  # a dozen chunks over two processes
+    monkeypatch.setattr(index_build, "CHUNK_BYTES", 700)  # a dozen chunks over two processes
     pooled = validate(data, tokenizer, SEQ, skip_bad_samples=True, cache_dir=tmp_path / "pool", workers=2)
     _check_against_file(pooled, data, tokenizer)
     for name in ("spans", "lengths", "grid_offsets", "grids"):
@@ -102,15 +102,15 @@ def test_samples_are_the_files_good_records_whatever_the_chunks(data, byte_setup
 def test_a_chunk_read_from_the_wrong_offset_is_caught(data, byte_setup, tmp_path, monkeypatch):
     """The broken variant: a worker whose records are shifted by one line."""
     tokenizer, _ = byte_setup
-    real = data_index._index_chunk
+    real = index_build._index_chunk
 
     def shifted(task):
         part = real(task)
         part["spans"][1:] = part["spans"][:-1].copy()
         return part
 
-    monkeypatch.setattr(data_index, "_index_chunk", shifted)
-    monkeypatch.setattr(data_index, "CHUNK_BYTES", 700)
+    monkeypatch.setattr(index_build, "_index_chunk", shifted)
+    monkeypatch.setattr(index_build, "CHUNK_BYTES", 700)
     report = validate(data, tokenizer, SEQ, skip_bad_samples=True, cache_dir=tmp_path, workers=1)
     with pytest.raises(AssertionError):
         _check_against_file(report, data, tokenizer)
@@ -118,7 +118,7 @@ def test_a_chunk_read_from_the_wrong_offset_is_caught(data, byte_setup, tmp_path
 
 def test_max_samples_counts_records_read_in_file_order(data, byte_setup, tmp_path, monkeypatch):
     tokenizer, _ = byte_setup
-    monkeypatch.setattr(data_index, "CHUNK_BYTES", 700)
+    monkeypatch.setattr(index_build, "CHUNK_BYTES", 700)
     report = validate(data, tokenizer, SEQ, max_samples=25, skip_bad_samples=True, cache_dir=tmp_path, workers=2)
     assert len(report.samples) + report.skipped == 25 and report.skipped == 2  # lines 7 and 19
     assert report.samples[-1].record.where == "line 25"

@@ -11,6 +11,7 @@ which is what torchvision >= 0.16 runs for uint8 on the CPU (on CUDA it resizes 
 differ by a few levels)."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -52,7 +53,7 @@ def _transformers(processing, image):
     return processor(images=[image], return_tensors="np")
 
 
-QWEN3 = ImageProcessing.from_preprocessor_config(QWEN3_VL_FILE)
+QWEN3 = images.with_video(ImageProcessing.from_preprocessor_config(QWEN3_VL_FILE), "qwen3_vl")
 SMALL_BOUNDS = QWEN3.with_pixels(32 * 32 * 4, 32 * 32 * 48)  # resizing both ways at small sizes
 
 
@@ -72,11 +73,12 @@ def test_qwen3_vl_pixels_and_grid_equal_transformers(processing, width, height, 
 
 
 def test_reading_both_spellings_of_the_pixel_bounds():
-    assert QWEN3 == images.QWEN3_VL == ImageProcessing(16, 2, 2, (0.5,) * 3, (0.5,) * 3, 65536, 16777216)
+    assert QWEN3 == images.QWEN3_VL == images.with_video(
+        ImageProcessing(16, 2, 2, (0.5,) * 3, (0.5,) * 3, 65536, 16777216), "qwen3_vl")
     old = ImageProcessing.from_preprocessor_config(QWEN2_5_VL_FILE)
     assert (old.min_pixels, old.max_pixels, old.patch_size, old.image_mean) == (3136, 12845056, 14, images.IMAGE_MEAN)
     both = dict(QWEN3_VL_FILE, min_pixels=1024, max_pixels=2048)  # min/max_pixels win, as in transformers
-    assert ImageProcessing.from_preprocessor_config(both).with_pixels() == QWEN3.with_pixels(1024, 2048)
+    assert ImageProcessing.from_preprocessor_config(both) == replace(QWEN3.with_pixels(1024, 2048), video=None)
     video = ImageProcessing.from_preprocessor_config(QWEN3_VL_VIDEO_FILE)
     assert (video.min_pixels, video.max_pixels) == (4096, 25165824)
     with pytest.raises(ValueError, match="lacks image_mean, image_std, min_pixels, max_pixels"):
@@ -90,7 +92,7 @@ def test_reading_both_spellings_of_the_pixel_bounds():
 def test_qwen2_5_vl_defaults_unchanged():
     from mm_adaptor.models.qwen2_5_vl import tiny_config, tiny_hf_config_dict
 
-    default = ImageProcessing()
+    default = images.with_video(ImageProcessing(), "qwen2_5_vl")
     assert default == images.QWEN2_5_VL == ImageProcessing.for_model(tiny_config())
     assert default == ImageProcessing.for_model(tiny_hf_config_dict())
     assert (default.patch_size, default.merge_size, default.temporal_patch_size) == (14, 2, 2)
@@ -119,11 +121,15 @@ def test_for_model_and_for_directory(tmp_path):
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(dict(QWEN3_VL_FILE, size={
         "shortest_edge": 1024, "longest_edge": 4096})))
     (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(QWEN3_VL_VIDEO_FILE))
-    assert ImageProcessing.for_directory(tmp_path, hf_config) == QWEN3.with_pixels(1024, 4096)
+    found = ImageProcessing.for_directory(tmp_path, hf_config)
+    assert replace(found, video=None) == replace(QWEN3.with_pixels(1024, 4096), video=None)
+    assert (found.video.frames.min_pixels, found.video.frames.max_pixels) == (4096, 25165824)  # the video file's
     assert ImageProcessing.for_directory(tmp_path, hf_config, video=True).min_pixels == 4096
+    (tmp_path / "video_preprocessor_config.json").unlink()
+    assert ImageProcessing.for_directory(tmp_path, hf_config).video is None  # a record's video is refused
     with pytest.raises(ValueError, match="does not fit the model: patch_size 16 .model: 14."):
         ImageProcessing.for_directory(tmp_path, {"model_type": "qwen3_vl", "vision_config": {"patch_size": 14}})
-    assert ImageProcessing.for_directory(tmp_path, tiny_config()) == ImageProcessing()  # Qwen2.5-VL: defaults
+    assert ImageProcessing.for_directory(tmp_path, tiny_config()) == images.QWEN2_5_VL  # Qwen2.5-VL: defaults
 
 
 def _numpy_patches(frames, patch, merge, temporal, mean, std):
@@ -190,7 +196,7 @@ def test_data_pipeline_takes_the_processing(shapes, byte_setup):
     report = validate(shapes, tokenizer, 4096, max_samples=3, processing=processing)
     old = validate(shapes, tokenizer, 4096, max_samples=3)
     for sample, old_sample in zip(report.samples, old.samples):
-        ids, _, pixels, grids = load_sample(sample, tokenizer, None, None, processing)
+        ids, _, pixels, grids, *_ = load_sample(sample, tokenizer, None, None, processing)
         with Image.open(sample.record.images[0]) as image:
             expected, grid = processing.preprocess(image)
             assert grids == [processing.grid_for_size(*image.size)] == [grid]
@@ -199,7 +205,7 @@ def test_data_pipeline_takes_the_processing(shapes, byte_setup):
         assert pixels.shape[1] == 1536
         assert ids.count(tokenizer.special_ids["<|image_pad|>"]) == processing.image_tokens(grid)
         assert encode(sample.record, grids, tokenizer, processing)[0] == ids
-        _, _, old_pixels, _ = load_sample(old_sample, tokenizer, images.DEFAULT_MIN_PIXELS, images.DEFAULT_MAX_PIXELS)
+        _, _, old_pixels, *_ = load_sample(old_sample, tokenizer, images.DEFAULT_MIN_PIXELS, images.DEFAULT_MAX_PIXELS)
         assert old_pixels.shape[1] == 1176
 
 
