@@ -32,12 +32,25 @@ def test_two_ranks(algo, extra):
     assert stats[f"{algo} attention calls"] > 0
 
 
+@pytest.fixture(scope="module")
+def images_and_videos(tmp_path_factory):
+    """Shapes records, every second one a clip, at sizes a 256-token row holds."""
+    from mm_adaptor.data.shapes import make_shapes
+
+    shapes = make_shapes(str(tmp_path_factory.mktemp("shapes")), count=8, seed=1, videos=2)
+    small = [str(28 * 28 * 4), str(28 * 28 * 16)]
+    return ["--data-path", shapes, "--seq-length", "256", "--image-min-pixels", small[0], "--image-max-pixels",
+            small[1], "--video-min-pixels", small[0], "--video-max-pixels", small[1]]
+
+
 @pytest.mark.parametrize("model", ["qwen2_5_vl-tiny", "qwen3_vl-tiny", "qwen3_vl_moe-tiny", "internvl-tiny"])
-def test_the_tiny_vision_language_models(model):
+def test_the_tiny_vision_language_models(model, request):
     """The vision tower runs on whole images on every CP rank; the language model takes its part of the embeddings
     (vision rows placed), the multimodal rope its part of the 3-D positions (Qwen3-VL's interleaved one too), and
-    Qwen3-VL's DeepStack layers the features of the visual tokens this rank holds."""
-    stats = check("megatron_cp_algo", ["--model", model, "--micro-batch-size", "1"])
+    Qwen3-VL's DeepStack layers the features of the visual tokens this rank holds. Qwen2.5-VL trains on records of
+    images and videos (video tokens, their temporal positions split over the ranks)."""
+    data = request.getfixturevalue("images_and_videos") if model == "qwen2_5_vl-tiny" else []
+    stats = check("megatron_cp_algo", ["--model", model, "--micro-batch-size", "1", *data])
     assert stats["megatron_cp_algo attention calls"] > 0
 
 

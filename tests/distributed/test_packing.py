@@ -7,7 +7,9 @@ Two broken variants (broken_packing_features.py) must fail: attention across the
 running on across them. Packs split over two context-parallel ranks (ring and Ulysses, GPT and VLM) are judged
 against the padded data-parallel run too, with attention across samples as their broken variant."""
 
+import json
 import functools
+from pathlib import Path
 
 import pytest
 
@@ -180,14 +182,19 @@ def test_a_resumed_packed_run_trains_what_the_whole_run_trained(tmp_path):
     assert whole.memory["packed_attention"]["calls"] > 0
 
 
+SMALL_VIDEOS = ["--video-min-pixels", str(28 * 28 * 4), "--video-max-pixels", str(28 * 28 * 16)]
+
+
 def test_a_data_sets_samples_packed_equal_padded_at_dp2(tmp_path_factory):
     """--data-path: each DP rank packs the very samples its unpadded share holds (mm_adaptor.data's rank-contiguous
-    share of the seeded permutation), each loaded alone with its own 3-D rope index and images."""
+    share of the seeded permutation), each loaded alone with its own 3-D rope index, images and videos (every
+    fourth record a clip: its video tokens and temporal positions packed)."""
     from mm_adaptor.data.shapes import make_shapes
 
-    shapes = make_shapes(str(tmp_path_factory.mktemp("shapes")), count=16, seed=3)
+    shapes = make_shapes(str(tmp_path_factory.mktemp("shapes")), count=16, seed=3, videos=4)
+    assert sum("videos" in record for record in json.loads(Path(shapes).read_text())) == 4  # read: 2 steps of 8
     model = ["--model", "qwen2_5_vl-tiny", "--data-path", shapes, "--num-layers", "2", "--seq-length", "512",
-             "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "2"]
+             "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "2", *SMALL_VIDEOS]
     packed = PackedAgainstPadded(["--nproc-per-node", "2"], model, DATA_SET_TOLERANCE)
     on, verdicts = packed.judge()
     failures = {group: v.failures[:3] for group, v in verdicts.items() if v.failures}

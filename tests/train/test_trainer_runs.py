@@ -148,17 +148,18 @@ def test_the_iteration_line_is_megatron_s_with_the_trainer_s_fields(tmp_path):
 
 def test_no_evaluation_where_the_split_has_no_samples_and_a_damaged_sample_is_skipped(tmp_path):
     """Besides: the data's index goes where --data-cache says; an image that decodes no more (its checksums still
-    pass validation) is skipped by the loader worker, said and counted on the iteration line."""
+    pass validation) is skipped by the loader worker, said and counted on the iteration line; two of the records are
+    videos (decoded in the loader worker)."""
     pytest.importorskip("PIL")
     from mm_adaptor.data.shapes import make_shapes
     from tests.data.damaged import undecodable_png
 
-    shapes = make_shapes(str(tmp_path), count=8, seed=0)
+    shapes = make_shapes(str(tmp_path), count=8, seed=0, videos=4)
     undecodable_png(Path(shapes).parent / json.load(open(shapes))[5]["images"][0])
     run = train(["--nproc-per-node", "1", "--model", "qwen2_5_vl-tiny", "--data-path", shapes, "--split", "100,0,0",
                  "--seq-length", "256", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "4",
                  *QUICK[:-2], "--eval-iters", "2", "--data-cache", str(tmp_path / "index"), "--num-workers", "1",
-                 "--skip-bad-samples", "1"])
+                 "--skip-bad-samples", "1", "--video-min-pixels", "3136", "--video-max-pixels", "12544"])
     assert run.status == 0, run.err[-3000:]
     assert "the validation split has no samples (--split 100,0,0): it is not evaluated" in run.out
     assert "validation loss" not in run.out
