@@ -4,6 +4,8 @@ the table says, the 7B model.json gives the 7B model, and data.json's key mappin
 
 import argparse
 import json
+import os
+from pathlib import Path
 
 import pytest
 import qwen_shaped_tokenizer
@@ -303,6 +305,25 @@ def test_data_json_maps_keys_images_pixels_and_tokenizer(tmp_path):
     args = argparse.Namespace(data_path=None, tokenizer_model=None, split=None)
     data_json.apply(args, _data(tmp_path / "fourth", max_samples=0))
     assert json.loads(open(args.data_path[0]).read()) == [] and args.split == "100,0,0"
+
+
+def test_data_json_videos_and_their_settings(tmp_path):
+    path = Path(_data(tmp_path))
+    data = json.loads(path.read_text())
+    data["dataset_param"]["attr"]["videos"] = "clips"
+    data["dataset_param"]["preprocess_parameters"].update(video_min_pixels=0, video_max_pixels=65536, video_fps=1.0,
+                                                         video_maxlen=32)
+    path.write_text(json.dumps(data))
+    records = json.loads((tmp_path / "data" / "records.json").read_text())
+    records[0]["conv"][0]["text"] = "<video>What?"
+    records[0]["clips"], records[0]["pics"] = ["clip.mp4"], []
+    (tmp_path / "data" / "records.json").write_text(json.dumps(records))
+    args = argparse.Namespace(data_path=None, tokenizer_model=None, split=None)
+    notes = data_json.apply(args, str(path))
+    written = json.loads(open(args.data_path[0]).read())
+    assert written[0]["videos"] == [os.path.abspath("clip.mp4")] and "images" not in written[0]
+    assert (args.video_min_pixels, args.video_max_pixels, args.video_fps, args.video_max_frames) == (1, 65536, 1.0, 32)
+    assert not any("video_" in note for note in notes)  # taken, not noted as without effect
 
 
 def test_data_json_with_several_files_blends_them_and_a_later_start_reads_none(tmp_path, monkeypatch):
