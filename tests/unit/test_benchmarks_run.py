@@ -51,7 +51,7 @@ def test_benchmark_prints_its_table(script, args, rows):
 def test_vlm_throughput_runs_the_trainer_and_the_transformers_peer():
     """The device benchmark's CPU size (gpu_session.sh vlm runs it on a device): both trainer runs and the peer
     train, and the table holds their tokens/s, TFLOP/s, peak memory and ratios to the peer."""
-    stdout = run_script("vlm_throughput.py", "--steps", "2", "--samples", "4", "--seq", "512", "--llm-layers", "2")
+    stdout = run_script("vlm_throughput.py", "--steps", "2", "--samples", "2", "--seq", "512", "--llm-layers", "1")
     header, rows = table_rows(stdout)
     assert [row[0] for row in rows] == ["mm-adaptor, unfused", "mm-adaptor, fused", "transformers (peer)"], stdout
     for _, rate, tflops, with_vit, peak, loss, rate_ratio, peak_ratio in rows:
