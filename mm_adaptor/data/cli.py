@@ -9,6 +9,47 @@ from mm_adaptor.core.one_line_parser import ArgumentParser, did_you_mean
 SUBCOMMANDS = ("llava-to-messages", "make-shapes", "check", "prepare")
 
 
+def add_preprocessing_arguments(add) -> None:
+    """The image and video preprocessing flags, through `add` (an argument group's add_argument): the trainer's
+    parsers and `data check`/`prepare` (whose index is then the trainer's)."""
+    add("--image-min-pixels", type=int, default=None, metavar="N",
+        help="an image is resized to at least N pixels (default: the model's preprocessor_config.json, else its "
+             "family's; MindSpeed-MM's data.json image_min_pixels)")
+    add("--image-max-pixels", type=int, default=None, metavar="N",
+        help="and to at most N pixels (MindSpeed-MM's data.json image_max_pixels)")
+    add("--video-min-pixels", type=int, default=None, metavar="N",
+        help="a video frame is resized to at least N pixels (Qwen2.5-VL: a frame's, Qwen3-VL: the clip's, as their "
+             "video processors; default: the model's video_preprocessor_config.json, else the processor's; "
+             "MindSpeed-MM's data.json video_min_pixels)")
+    add("--video-max-pixels", type=int, default=None, metavar="N",
+        help="and to at most N pixels (MindSpeed-MM's data.json video_max_pixels)")
+    add("--video-fps", type=float, default=None, metavar="F",
+        help="frames sampled per second of video (default 2; MindSpeed-MM's data.json video_fps)")
+    add("--video-max-frames", type=int, default=None, metavar="N",
+        help="at most N frames sampled from a video (default 768; MindSpeed-MM's data.json video_maxlen)")
+
+
+def with_preprocessing_flags(processing, args):
+    """`processing` with the --image-*/--video-* flags of args over it; DataError in one line for a video flag a
+    model without video preprocessing cannot take, or impossible settings."""
+    import dataclasses
+
+    from mm_adaptor.data.records import DataError
+
+    found = processing.with_pixels(getattr(args, "image_min_pixels", None), getattr(args, "image_max_pixels", None))
+    video = {name: getattr(args, f"video_{name}", None) for name in ("min_pixels", "max_pixels", "fps", "max_frames")}
+    given = [f"--video-{name.replace('_', '-')}" for name, value in video.items() if value is not None]
+    if getattr(found, "video", None) is None:
+        if given:
+            raise DataError(f"{' and '.join(given)}: this model's preprocessing takes no video (Qwen2.5-VL and "
+                            "Qwen3-VL do; a Qwen3-VL checkpoint needs its video_preprocessor_config.json)")
+        return found
+    try:
+        return dataclasses.replace(found, video=found.video.with_settings(**video))
+    except ValueError as exc:
+        raise DataError(f"{' '.join(given)}: {exc}") from None
+
+
 def _parser(name: str) -> ArgumentParser:
     parser = ArgumentParser(prog=f"mm-adaptor data {name}")
     if name == "llava-to-messages":
@@ -36,8 +77,7 @@ def _parser(name: str) -> ArgumentParser:
             parser.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
         parser.add_argument("--seq-length", type=int, required=True)
         parser.add_argument("--tokenizer-model", default=None, help="an HF tokenizer directory (default: bytes)")
-        parser.add_argument("--image-min-pixels", type=int, default=None)
-        parser.add_argument("--image-max-pixels", type=int, default=None)
+        add_preprocessing_arguments(parser.add_argument)
         parser.add_argument("--max-samples", type=int, default=None)
         parser.add_argument("--model", default=None, help="the family whose preprocessing and special tokens the "
                                                           "data takes: NAME-tiny (its tiny preset), or NAME with "
@@ -83,7 +123,10 @@ def _run(name, args) -> int:
         from mm_adaptor.data.tokenizer import BYTE_TOKENIZER_NOTE, ByteTokenizer, check_model_matches, for_checkpoint
         from mm_adaptor.data.vlm import validate
 
+        from mm_adaptor.data.images import QWEN2_5_VL
+
         config, processing = _model_data(args)
+        processing = with_preprocessing_flags(processing or QWEN2_5_VL, args)
         tokenizer = for_checkpoint(args.tokenizer_model, args.load, config)
         if isinstance(tokenizer, ByteTokenizer):
             print(BYTE_TOKENIZER_NOTE, file=sys.stderr)

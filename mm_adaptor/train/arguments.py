@@ -14,10 +14,11 @@ from pathlib import Path
 
 from mm_adaptor.core import features
 from mm_adaptor.core.one_line_parser import ArgumentParser, count
+from mm_adaptor.data import cli as data_cli
 from mm_adaptor.mindspeed_mm import arguments as mindspeed_mm_arguments
 from mm_adaptor.models import registry
 from mm_adaptor.ranks.warning_digest import ShowEveryWarning
-from mm_adaptor.train import preprocessing, vlm_data
+from mm_adaptor.train import vlm_data
 
 PROG = "mm-adaptor train"
 TRAINER_GROUP = "mm_adaptor trainer (not Megatron-LM's)"
@@ -94,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
           help="train on the good records of the data and count the bad ones, instead of refusing them; while "
                "training, skip up to N samples that fail to load (default N: 100), each said in one line and "
                "counted on the iteration line; past N the run stops naming them")
-    preprocessing.add_preprocessing_arguments(g.add)
+    data_cli.add_preprocessing_arguments(g.add)
     g.add("--restart-data", action="store_true",
           help="on resuming (--load), read the data from its first sample instead of where the saved run stopped, "
                "e.g. after changing the data set (which is refused without it)")

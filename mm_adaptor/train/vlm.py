@@ -12,8 +12,9 @@ from pathlib import Path
 
 from mm_adaptor.core.one_line_parser import count
 from mm_adaptor.core.wrapped import unwrap
+from mm_adaptor.data import cli as data_cli
 from mm_adaptor.models import registry
-from mm_adaptor.train import preprocessing, vlm_data
+from mm_adaptor.train import vlm_data
 from mm_adaptor.train.families import Gpt
 from mm_adaptor.train.model import loss_func
 
@@ -41,7 +42,7 @@ def add_arguments(parser) -> None:
     g.add_argument("--skip-bad-samples", nargs="?", type=count, const=True, default=False, metavar="N",
                    help="train on the good records of --data-path and count the bad ones, instead of refusing them; "
                         "while training, skip up to N samples that fail to load (default N: 100)")
-    preprocessing.add_preprocessing_arguments(g.add_argument)
+    data_cli.add_preprocessing_arguments(g.add_argument)
     g.add_argument("--hf-config", dest="hf_config_file", default=None, metavar="CONFIG_JSON",
                    help="build the model randomly initialised from this Hugging Face config.json (its family, shapes "
                         "and token ids; no --load), e.g. to measure a full-size model's throughput")

@@ -174,3 +174,32 @@ def test_records_with_videos_index_and_batch(tmp_path, clips):
                                                      batches.report.samples[int(batch["sample_index"][0])].clips],
                                  attention_mask=batch["attention_mask"].long())
     assert torch.equal(batch["position_ids"], expected)
+
+
+def test_video_flags_reach_the_processing_or_are_refused(tmp_path, clips, capsys):
+    """--video-* over the family's defaults (the trainer's and `data check`/`prepare`'s, so both key one index);
+    a model without video preprocessing, or impossible settings, refused in one line."""
+    import argparse
+
+    from mm_adaptor.data import DataError
+    from mm_adaptor.data.cli import main, with_preprocessing_flags
+    from mm_adaptor.models import internvl
+
+    flags = argparse.Namespace(video_max_pixels=28 * 28 * 256, video_fps=1.0)
+    found = with_preprocessing_flags(images.QWEN2_5_VL, flags).video
+    assert (found.frames.max_pixels, found.fps, found.frames.min_pixels) == (28 * 28 * 256, 1.0, 28 * 28 * 128)
+    with pytest.raises(DataError, match="--video-max-pixels: video pixels from 100352 to 12544: want 0 < min <= max"):
+        with_preprocessing_flags(images.QWEN2_5_VL, argparse.Namespace(video_max_pixels=28 * 28 * 16))
+    tiling = images.ImageProcessing.for_model(internvl.tiny_config())
+    with pytest.raises(DataError, match="--video-fps: this model's preprocessing takes no video"):
+        with_preprocessing_flags(tiling, argparse.Namespace(video_fps=2.0))
+    with pytest.raises(DataError, match="--video-max-frames: video fps 2.0 and at most 1 frames"):
+        with_preprocessing_flags(images.QWEN2_5_VL, argparse.Namespace(video_max_frames=1))
+    data = tmp_path / "clip.jsonl"
+    record = {"messages": [{"role": "user", "content": "<video>"}, {"role": "assistant", "content": "ok"}],
+              "videos": [clips["slow"]]}
+    data.write_text(json.dumps(record) + "\n")
+    small = ["--video-min-pixels", str(28 * 28 * 4), "--video-max-pixels", str(28 * 28 * 16)]
+    assert main(["check", str(data), "--seq-length", "128", *small]) == 0
+    assert main(["check", str(data), "--seq-length", "128"]) == 1  # the default sizes: over 128 tokens
+    assert "longer than seq_length 128" in capsys.readouterr().out
