@@ -13,13 +13,12 @@ no frame."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from mm_adaptor.data.pixels import smart_resize
 
-VIDEO_TAG = "<video>"
 QWEN2_5_VL_VIDEO_PIXELS = (128 * 28 * 28, 768 * 28 * 28)  # Qwen2VLVideoProcessor's size (shortest/longest edge)
 QWEN3_VL_VIDEO_PIXELS = (128 * 32 * 32, 768 * 32 * 32)  # Qwen3VLVideoProcessor's
 SAMPLING_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
@@ -51,12 +50,10 @@ class VideoProcessing:
 
     def with_settings(self, min_pixels=None, max_pixels=None, fps=None, max_frames=None) -> VideoProcessing:
         """These settings where given (not None), the others kept; ValueError for impossible ones."""
-        import dataclasses
-
         frames = self.frames.with_pixels(min_pixels, max_pixels)
         if not 0 < frames.min_pixels <= frames.max_pixels:
             raise ValueError(f"video pixels from {frames.min_pixels} to {frames.max_pixels}: want 0 < min <= max")
-        found = dataclasses.replace(self, frames=frames, fps=self.fps if fps is None else float(fps),
+        found = replace(self, frames=frames, fps=self.fps if fps is None else float(fps),
                                     max_frames=self.max_frames if max_frames is None else int(max_frames))
         if found.fps <= 0 or found.max_frames < max(found.min_frames, found.frames.temporal_patch_size):
             raise ValueError(f"video fps {found.fps} and at most {found.max_frames} frames: want fps > 0 and at "
