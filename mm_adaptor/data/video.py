@@ -54,7 +54,7 @@ class VideoProcessing:
         if not 0 < frames.min_pixels <= frames.max_pixels:
             raise ValueError(f"video pixels from {frames.min_pixels} to {frames.max_pixels}: want 0 < min <= max")
         found = replace(self, frames=frames, fps=self.fps if fps is None else float(fps),
-                                    max_frames=self.max_frames if max_frames is None else int(max_frames))
+                        max_frames=self.max_frames if max_frames is None else int(max_frames))
         if found.fps <= 0 or found.max_frames < max(found.min_frames, found.frames.temporal_patch_size):
             raise ValueError(f"video fps {found.fps} and at most {found.max_frames} frames: want fps > 0 and at "
                              f"least {max(found.min_frames, found.frames.temporal_patch_size)} frames")
