@@ -47,21 +47,19 @@ else
 fi
 
 start=$(date +%s)
-# --no-compile: no bytecode at install, where pip compiles every module of torch, transformers and megatron (14 s of
-# 16 for the latter two here); Python compiles the few a run imports, once, on first import.
 created=no
 [ -x "$VENV/bin/python" ] || { "$PYTHON" -m venv "$VENV"; created=yes; }
 # torch first, so the resolver keeps this build (the local CPU wheel for 3.11; a registry wheel for 3.12 and for
 # npu-torch); a torch other than torch==X installs X over it
 torch_ok="import sys, torch; s = sys.argv[1]; sys.exit('==' in s and torch.__version__.split('+')[0] != s.split('==')[1])"
-"$VENV/bin/python" -c "$torch_ok" "$TORCH_SPEC" 2>/dev/null || "$VENV/bin/python" -m pip install -q --no-compile "$TORCH_SPEC"
+"$VENV/bin/python" -c "$torch_ok" "$TORCH_SPEC" 2>/dev/null || "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
 # the vlm extra allows transformers 4.57 to 5.x: each leg pins the major it exercises
 case ",$EXTRAS," in *,vlm,*) PINNED=("$TRANSFORMERS_SPEC") ;; *) PINNED=() ;; esac
-"$VENV/bin/python" -m pip install -q --no-compile "$MEGATRON_SPEC" ${PINNED[@]+"${PINNED[@]}"} -e ".[$EXTRAS]"
+"$VENV/bin/python" -m pip install -q "$MEGATRON_SPEC" ${PINNED[@]+"${PINNED[@]}"} -e ".[$EXTRAS]"
 # transformers' video processors need torchvision (tests compare the video pixels with theirs on the newest leg):
 # the build for this torch, without dependencies (they could replace torch)
 if [ "${1:-}" = latest ]; then
   "$VENV/bin/python" -c "import torchvision" 2>/dev/null ||
-    "$VENV/bin/python" -m pip install -q --no-compile --no-deps "${TORCHVISION_SPEC:-torchvision==0.28.0}"
+    "$VENV/bin/python" -m pip install -q --no-deps "${TORCHVISION_SPEC:-torchvision==0.28.0}"
 fi
 [ "$created" = no ] || echo "set up $VENV ($("$VENV/bin/python" --version), $MEGATRON_SPEC) in $(( $(date +%s) - start )) s" >&2
