@@ -12,6 +12,8 @@ A rule names its Megatron state-dict name and its HF names with `{i}` standing f
 - qkv_fused: one HF [q; k; v] tensor (a vision block's `qkv`) -> the same grouping, one group per head.
 - cat:       HF parts concatenated along dim 0 (gate, up -> linear_fc1, which megatron's swiglu splits in halves).
 - reshape:   one HF tensor viewed in another shape (a Conv3d kernel as a Linear weight); the family gives the shape.
+- shared:    one Megatron tensor that every HF part equals (the A factor of a LoRA adapter on a fused linear, shared
+             by HF's q/k/v or gate/up); parts that differ are refused.
 
 Experts (megatron-core MoE, SequentialMLP): one rule per expert, its Megatron name `...mlp.experts.local_experts.
 <e>.linear_fc1.weight` and its HF names the expert's own (`...mlp.experts.<e>.gate_proj.weight`, ...); a rule may say
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-OPS = ("copy", "qkv", "qkv_fused", "cat", "reshape")
+OPS = ("copy", "qkv", "qkv_fused", "cat", "reshape", "shared")
 EXPERTS = "experts"  # the stack `{e}` ranges over
 # megatron's TransformerLayer (local spec) stores its norms under the names TE's fused linear layers give them
 LAYER_KEYS_MAP = {"layers.{i}.input_layernorm.": "layers.{i}.self_attention.linear_qkv.layer_norm_",
@@ -149,6 +151,10 @@ def to_mcore(rule: Rule, parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(parts, dim=0)
     if rule.op == "reshape":
         return parts[0].reshape(rule.shape)
+    if rule.op == "shared":
+        if any(not torch.equal(part, parts[0]) for part in parts[1:]):
+            raise ValueError(f"{rule.mcore}: its parts {', '.join(rule.hf)} differ; one tensor holds them all")
+        return parts[0]
     heads, groups, head_dim = rule.qkv
     if rule.op == "qkv":
         return _grouped(*parts, heads, groups, head_dim)
@@ -167,6 +173,8 @@ def to_hf(rule: Rule, tensor: torch.Tensor, hf_shapes: list[tuple[int, ...]] | N
         parts = list(torch.split(tensor, sizes, dim=0))
     elif rule.op == "reshape":
         parts = [tensor.reshape(hf_shapes[0] if hf_shapes else rule.hf_shape)]
+    elif rule.op == "shared":
+        parts = [tensor] * len(rule.hf)
     else:
         heads, groups, head_dim = rule.qkv
         parts = _ungrouped(tensor, heads, groups, head_dim)

@@ -102,7 +102,29 @@ def _built(wrapped, _instance, args, kwargs):
 
     for note in NOTES:
         print_rank_0(f"> mm_adaptor trainer: {note}")
+    if "lora" in providers.MEMORY:
+        print_rank_0(f"> mm_adaptor trainer: {_lora_line(providers.MEMORY['lora'], megatron_args)}")
     return model
+
+
+def _lora_line(record: dict, args) -> str:
+    """What LoRA adapted, over every rank's chunks; a target no rank's model has is refused (one line)."""
+    import torch.distributed as dist
+
+    from mm_adaptor import lora
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, record)
+    hit = set().union(*(one["targets_hit"] for one in gathered))
+    missing = [target for target in lora.targets_of(args.lora_target_modules) if target not in hit]
+    if missing:
+        raise SystemExit(f"{' '.join(missing)} (--lora-target-modules): no module of the model is named so "
+                         "(outside frozen towers)")
+    trainable, total = record["trainable"], record["total"]
+    return (f"LoRA r {args.lora_r}, alpha {args.lora_alpha:g}: {record['modules']} linears adapted on this rank "
+            f"({', '.join(sorted(hit))}); trainable {trainable:,} of {total:,} parameters "
+            f"({100 * trainable / max(total, 1):.2f}%)" +
+            (f"; base from {args.load_base_model}" if args.load_base_model else "; base randomly initialised"))
 
 
 def _no_evaluation_without_samples(wrapped, _instance, args, kwargs):

@@ -13,6 +13,12 @@ from pathlib import Path
 from mm_adaptor.models import registry
 
 
+def model_home(args) -> str | None:
+    """The checkpoint directory whose hf/ (config, tokenizer, processor files) describes the model: LoRA's
+    --load-base-model, else --load."""
+    return getattr(args, "load_base_model", None) or getattr(args, "load", None)
+
+
 def family_name(args) -> str:
     """--model's value; for the default (gpt): hybrid with a pattern, the converted --load's own family."""
     model = getattr(args, "model", "gpt")
@@ -20,7 +26,7 @@ def family_name(args) -> str:
         return model
     if getattr(args, "hybrid_layer_pattern", None) is not None:
         return "hybrid"
-    load = getattr(args, "load", None)
+    load = model_home(args)
     if load and (Path(load) / "hf" / "config.json").is_file():
         args.model = registry.spec_for_directory(load).name  # ValueError names an unknown model_type
         return args.model

@@ -12,10 +12,13 @@ def processing(args, config):
     from mm_adaptor.data.cli import with_preprocessing_flags
     from mm_adaptor.data.images import ImageProcessing
 
-    hf = Path(args.load or "") / "hf"
+    from mm_adaptor.train.families import model_home
+
+    home = model_home(args)
+    hf = Path(home or "") / "hf"
     if getattr(args, "image_processor_dir", None):  # --mm-data's model_name_or_path
         found = ImageProcessing.for_directory(args.image_processor_dir, config)
-    elif args.load and (hf / "config.json").exists():
+    elif home and (hf / "config.json").exists():
         found = ImageProcessing.for_directory(hf, config)
     else:
         found = ImageProcessing.for_model(config)

@@ -76,13 +76,34 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     family = families.of(args)
     if family.builds_from_transformer_config:
         transformer_config = config if config is not None else core_transformer_config_from_args(args)
-        return family.chunk(args, transformer_config, pre_process=pre_process, post_process=post_process,
-                            vp_stage=vp_stage, memory=MEMORY)
-    # the training settings ride on a copy: Megatron pickles its arguments into every checkpoint
-    view = argparse.Namespace(**vars(args), transformer_runtime=runtime_fields(args),
-                              moe_runtime=moe_runtime_fields(args))
-    return family.chunk(view, None, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                        memory=MEMORY)
+        chunk = family.chunk(args, transformer_config, pre_process=pre_process, post_process=post_process,
+                             vp_stage=vp_stage, memory=MEMORY)
+    else:
+        # the training settings ride on a copy: Megatron pickles its arguments into every checkpoint
+        view = argparse.Namespace(**vars(args), transformer_runtime=runtime_fields(args),
+                                  moe_runtime=moe_runtime_fields(args))
+        chunk = family.chunk(view, None, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                             memory=MEMORY)
+    return with_lora(chunk, args)
+
+
+def with_lora(chunk, args):
+    """With --lora-target-modules: the chunk's adapters (mm_adaptor.lora), its base from --load-base-model, and
+    what Megatron saves and loads of it the adapters alone. What was adapted goes into MEMORY for the banner."""
+    from mm_adaptor import lora
+
+    if not lora.enabled(args):
+        return chunk
+    done = lora.apply(chunk, lora.settings_from_args(args), require_every_target=False)
+    record = MEMORY.setdefault("lora", {"targets_hit": set(), "modules": 0, "trainable": 0, "total": 0})
+    record["targets_hit"].update(done["lora_targets_hit"])
+    record["modules"] += len(done["lora_modules"])
+    record["trainable"] += done["trainable_elements"]
+    record["total"] += done["total_elements"]
+    if args.load_base_model:
+        lora.load_base(chunk, args.load_base_model)
+    lora.adapters_only(chunk)
+    return chunk
 
 
 def _split_args(args, split: str) -> argparse.Namespace:

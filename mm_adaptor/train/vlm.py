@@ -12,6 +12,7 @@ from pathlib import Path
 
 from mm_adaptor.core.one_line_parser import count
 from mm_adaptor.core.wrapped import unwrap
+from mm_adaptor.train import families
 from mm_adaptor.data import cli as data_cli
 from mm_adaptor.models import registry
 from mm_adaptor.train import vlm_data
@@ -162,7 +163,8 @@ class VisionLanguage(Gpt):
         if self.tiny:
             config = self.spec.tiny_config(num_layers=args.num_layers, **layout)
         else:
-            hf = getattr(args, "hf_config", None) or registry.hf_config_of(args.load)  # --mm-model's, or --load's
+            # --mm-model's, or the checkpoint's (--load's, LoRA's --load-base-model)
+            hf = getattr(args, "hf_config", None) or registry.hf_config_of(families.model_home(args))
             config = self.spec.config_from_hf(hf, **layout)
         for name in ("expert_model_parallel_size", "context_parallel_size"):
             if any(f.name == name for f in dataclasses.fields(config)):
@@ -178,16 +180,18 @@ class VisionLanguage(Gpt):
             return ["--hybrid-layer-pattern builds a language model: it does not combine with the vision-language "
                     "model's flags"]
         if not self.tiny and not getattr(args, "hf_config", None):
-            if not args.load:
+            home = families.model_home(args)
+            flag = f"--load-base-model {home}" if getattr(args, "load_base_model", None) else f"--load {home}"
+            if not home:
                 return [f"--model {model} needs --load MCORE_DIR (written by mm-adaptor convert hf-to-mcore)"]
-            if not (Path(args.load) / "hf" / "config.json").is_file():
-                return [f"--load {args.load} has no hf/config.json: convert the HF checkpoint with mm-adaptor convert"]
+            if not (Path(home) / "hf" / "config.json").is_file():
+                return [f"{flag} has no hf/config.json: convert the HF checkpoint with mm-adaptor convert"]
             try:
-                found = registry.spec_for_directory(args.load)
+                found = registry.spec_for_directory(home)
             except ValueError as exc:
-                return [f"--load {args.load}: {exc}"]
+                return [f"{flag}: {exc}"]
             if found.name != self.spec.name:
-                return [f"--model {model}: --load {args.load} holds a {found.name} checkpoint: give --model "
+                return [f"--model {model}: {flag} holds a {found.name} checkpoint: give --model "
                         f"{found.name} (or leave --model out)"]
         try:
             if args.pipeline_layers:
@@ -322,7 +326,8 @@ class VisionLanguage(Gpt):
         target = Path(args.save) / "hf"
         if dist.get_rank() != 0 or (target / "config.json").exists():
             return
-        source = Path(args.load) / "hf" if args.load else None
+        home = families.model_home(args)
+        source = Path(home) / "hf" if home else None
         if source is not None and (source / "config.json").exists():
             shutil.copytree(source, target, dirs_exist_ok=True)
         else:

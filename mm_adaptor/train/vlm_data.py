@@ -256,7 +256,9 @@ def tokenizer(args, config):
     """--tokenizer-model, else --load's hf/ where it holds one, else the byte tokenizer for a tiny model."""
     from mm_adaptor.data.tokenizer import for_checkpoint
 
-    return for_checkpoint(args.tokenizer_model, args.load, config)
+    from mm_adaptor.train.families import model_home
+
+    return for_checkpoint(args.tokenizer_model, model_home(args), config)
 
 
 def validate(args, config) -> list[str]:

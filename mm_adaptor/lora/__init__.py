@@ -1,0 +1,184 @@
+"""LoRA fine-tuning on the Megatron models (MindSpeed-MM's flags): which linears get adapters, the base frozen, and
+checkpoints that hold the adapters alone.
+
+- Targets match as in peft (and so in MindSpeed-MM, which hands them to peft): a module whose name is the target or
+  ends with `.target`, e.g. `linear_qkv` in the language model and in the vision tower alike. A tower the run freezes
+  (--freeze-vision, --freeze-language, a frozen projector) gets no adapters, as MindSpeed-MM leaves out frozen
+  modules.
+- Every other parameter is frozen before Megatron wraps the model: no gradient buffer, no optimizer state.
+- The model's sharded state dict (what Megatron saves and loads) is the adapters' alone; the base comes from
+  --load-base-model (or, on a first run, from --load, as MindSpeed-MM reads it) through `load_base`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mm_adaptor.lora.layers import LORA_A, LORA_B, AdapterShape, add_adapter, is_adapter_key, unsupported
+
+__all__ = ["LORA_A", "LORA_B", "AdapterShape", "Settings", "apply", "is_adapter_key", "settings_from_args"]
+
+# MindSpeed-MM's names for separate q/k/v and gate/up adapters on its canonical (unfused) structure
+CANONICAL_NAMES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+@dataclass(frozen=True)
+class Settings:
+    targets: tuple[str, ...]
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    seed: int = 1234
+    frozen_towers: tuple[str, ...] = ()  # top-level modules that get no adapters
+
+
+def targets_of(value) -> tuple[str, ...]:
+    """--lora-target-modules as given: names apart or joined by commas (MindSpeed-MM takes both)."""
+    if not value:
+        return ()
+    items = [value] if isinstance(value, str) else list(value)
+    return tuple(name.strip() for item in items for name in str(item).split(",") if name.strip())
+
+
+def enabled(args) -> bool:
+    return bool(targets_of(getattr(args, "lora_target_modules", None)))
+
+
+def settings_from_args(args) -> Settings:
+    towers = (["vision_model"] if getattr(args, "freeze_vision", False) else [])
+    towers += ["language_model"] if getattr(args, "freeze_language", False) else []
+    towers += ["vision_projection"] if getattr(args, "freeze_projector", False) else []
+    return Settings(targets=targets_of(args.lora_target_modules), r=args.lora_r, alpha=float(args.lora_alpha),
+                    dropout=args.lora_dropout, seed=args.seed, frozen_towers=tuple(towers))
+
+
+def argument_problems(args) -> list[str]:
+    """The LoRA flags' problems before anything is built (one line each)."""
+    if not enabled(args):
+        given = [flag for flag, dest in (("--load-base-model", "load_base_model"),) if getattr(args, dest, None)]
+        return [f"{', '.join(given)}: LoRA is off (no --lora-target-modules): drop it or name the targets"] if given \
+            else []
+    problems = []
+    canonical = [name for name in targets_of(args.lora_target_modules) if name in CANONICAL_NAMES]
+    if canonical:
+        problems.append(f"--lora-target-modules {' '.join(canonical)}: MindSpeed-MM's separate q/k/v and gate/up "
+                        "adapters need its unfused model; here linear_qkv and linear_fc1 carry one adapter each (its "
+                        "export to Hugging Face's q_proj/k_proj/v_proj and gate_proj/up_proj is exact): give "
+                        "linear_qkv and linear_fc1")
+    if args.lora_r < 1:
+        problems.append(f"--lora-r {args.lora_r}: the adapters' rank must be at least 1")
+    if not 0 <= args.lora_dropout < 1:
+        problems.append(f"--lora-dropout {args.lora_dropout}: a probability, 0 to below 1")
+    if getattr(args, "ckpt_format", "torch_dist") not in ("torch_dist", None):
+        problems.append(f"--ckpt-format {args.ckpt_format}: LoRA checkpoints hold the adapters alone, as a "
+                        "distributed checkpoint (any TP/PP layout reads them): give --ckpt-format torch_dist")
+    return problems
+
+
+def matches(name: str, targets) -> str | None:
+    """The target a module's name matches (peft's rule: the name itself, or ending in `.target`), or None."""
+    for target in targets:
+        if name == target or name.endswith(f".{target}"):
+            return target
+    return None
+
+
+def gated_fc1(model, name: str) -> bool:
+    """Whether `name` is a gated MLP's linear_fc1 (rows [gate; up]), from its parent MLP's config."""
+    parent_name, _, leaf = name.rpartition(".")
+    if leaf != "linear_fc1":
+        return False
+    parent = model.get_submodule(parent_name) if parent_name else model
+    config = getattr(parent, "config", None)
+    return bool(getattr(config, "gated_linear_unit", False))
+
+
+def candidates(model, settings: Settings) -> tuple[dict[str, object], set[str]]:
+    """The megatron linears the targets name, outside frozen towers (name -> module), and the targets that named
+    one. ValueError names a module the targets hit that takes no adapter."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    found: dict[str, object] = {}
+    hit: set[str] = set()
+    for name, module in model.named_modules():
+        target = matches(name, settings.targets)
+        if target is None or name.split(".")[0] in settings.frozen_towers:
+            continue
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            raise ValueError(f"--lora-target-modules {target}: {name} is a {type(module).__name__}, not a "
+                             "megatron tensor-parallel linear: name linears (linear_qkv, linear_proj, linear_fc1, "
+                             "linear_fc2)")
+        problem = unsupported(module)
+        if problem:
+            raise ValueError(f"--lora-target-modules {target}: {name} takes no adapter: {problem}")
+        found[name] = module
+        hit.add(target)
+    return found, hit
+
+
+def apply(model, settings: Settings, require_every_target: bool = True) -> dict:
+    """Adapters on the targeted linears of one model chunk, everything else frozen. Returns what was done (counts
+    for the banner). A pipeline stage may hold none of a target's modules: the caller checks the union."""
+    chosen, hit = candidates(model, settings)
+    missing = [target for target in settings.targets if target not in hit]
+    if require_every_target and missing:
+        raise ValueError(f"--lora-target-modules {' '.join(missing)}: no module of the model is named so (outside "
+                         "frozen towers)")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for name, module in chosen.items():
+        shape = AdapterShape(settings.r, settings.alpha, settings.dropout, gated_fc1(model, name))
+        add_adapter(module, shape, settings.seed, name)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return {"lora_modules": sorted(chosen), "lora_targets_hit": sorted(hit), "trainable_elements": trainable,
+            "total_elements": total}
+
+
+def adapters_only(model) -> None:
+    """Megatron saves and loads this chunk's adapters alone (its sharded state dict filtered); base_entries keeps
+    the whole one."""
+    whole = model.sharded_state_dict
+
+    def sharded_state_dict(*args, **kwargs):
+        return {key: entry for key, entry in whole(*args, **kwargs).items() if is_adapter_key(key)}
+
+    model.lora_whole_sharded_state_dict = whole
+    model.sharded_state_dict = sharded_state_dict
+
+
+def base_entries(model, metadata=None) -> dict:
+    """The chunk's sharded state dict without its adapters: what a base checkpoint must hold."""
+    whole = getattr(model, "lora_whole_sharded_state_dict", model.sharded_state_dict)
+    return {key: entry for key, entry in whole(metadata=metadata).items() if not is_adapter_key(key)}
+
+
+def checkpoint_metadata() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {"singleton_local_shards": False, "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+
+
+def load_base(model, directory) -> int:
+    """This chunk's base weights from the Megatron checkpoint under `directory` (a converted one, or a full
+    training save: its marker's iteration), resharded to this run's layout by Megatron's dist checkpointing.
+    Returns the tensors loaded; ValueError names a tensor the checkpoint lacks."""
+    from pathlib import Path
+
+    from megatron.core import dist_checkpointing
+
+    from mm_adaptor.convert.mcore_to_hf import checkpoint_path
+
+    path = checkpoint_path(Path(directory))
+    request = base_entries(model, checkpoint_metadata())
+    stored = set(dist_checkpointing.load_tensors_metadata(str(path)))
+    for key, entry in request.items():
+        sharded_key = getattr(entry, "key", None)
+        if sharded_key is not None and not key.endswith("_extra_state") and sharded_key not in stored:
+            raise ValueError(f"--load-base-model {directory}: its checkpoint has no {sharded_key}: it is not this "
+                             "model's base (or holds adapters alone)")
+    loaded = dist_checkpointing.load({"model": request}, str(path))["model"]
+    missing, _ = model.load_state_dict(loaded, strict=False)
+    missing = [key for key in missing if not is_adapter_key(key) and not key.endswith("_extra_state")]
+    if missing:
+        raise ValueError(f"--load-base-model {directory}: {missing[0]} was not loaded")
+    return len(loaded)
