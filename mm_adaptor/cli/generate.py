@@ -28,14 +28,18 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--tokenizer-model", default=None, help="HF tokenizer directory (default: DIR/hf when it holds "
                                                            "one, else the built-in byte tokenizer)")
+    p.add_argument("--lora", default=None, metavar="DIR",
+                   help="LoRA adapters on the --load model: a LoRA run's --save, or a peft adapter converted with "
+                        "mm-adaptor convert hf-to-mcore --lora")
     p.add_argument("--json", action="store_true", help="print one JSON object (prompt_ids, new_ids, text, logprobs)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--expert-model-parallel-size", type=int, default=1, help="for a mixture-of-experts family")
     return p
 
 
-def load_model(load_dir: str, **layout):
-    """(model, config) from the latest checkpoint under load_dir, built by its family (registry); megatron's parallel
+def load_model(load_dir: str, lora_dir: str | None = None, **layout):
+    """(model, config) from the latest checkpoint under load_dir, built by its family (registry), with the LoRA
+    adapters of lora_dir (a LoRA run's --save, or adapters converted from peft's format) on it; megatron's parallel
     state must be set to the layout's sizes."""
     import dataclasses
 
@@ -52,6 +56,13 @@ def load_model(load_dir: str, **layout):
     path = latest_checkpoint(load_dir)
     if path is None:
         raise FileNotFoundError(f"--load {load_dir}: no latest_checkpointed_iteration.txt")
+    if lora_dir:
+        from mm_adaptor import lora
+
+        lora.apply(model, lora.checkpoint_settings(lora_dir))
+        lora.load_base(model, load_dir)
+        lora.load_adapters(model, lora_dir)
+        return model.eval(), config
     request = model.sharded_state_dict(prefix="", metadata={"singleton_local_shards": False})
     model.load_state_dict(dist_checkpointing.load({"model": request}, str(path))["model"])
     return model, config
@@ -133,7 +144,7 @@ def _generate(args) -> None:
     if not verbose():  # library notices (no Transformer Engine/Apex, deprecations) are noise here
         warnings.simplefilter("ignore")
     init_megatron(args.tensor_model_parallel_size, args.expert_model_parallel_size)
-    model, config = load_model(args.load, tensor_model_parallel_size=args.tensor_model_parallel_size,
+    model, config = load_model(args.load, args.lora, tensor_model_parallel_size=args.tensor_model_parallel_size,
                                expert_model_parallel_size=args.expert_model_parallel_size)
     hf = Path(args.load) / "hf"
     tokenizer = for_checkpoint(args.tokenizer_model, args.load, config)
@@ -164,6 +175,13 @@ def main(argv=None) -> int:
         parser.fail(f"--load {args.load} has no hf/config.json: give a converted checkpoint or a training --save")
     if args.image and not Path(args.image).is_file():
         parser.fail(f"--image {args.image}: no such file")
+    if args.lora:
+        from mm_adaptor import lora
+
+        try:
+            lora.checkpoint_settings(args.lora)
+        except ValueError as exc:
+            parser.fail(f"--lora {exc}")
     problem = _layout_problem(args)
     if problem:
         parser.fail(problem)

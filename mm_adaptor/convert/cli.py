@@ -29,6 +29,11 @@ def _hf_to_mcore_parser() -> ArgumentParser:
                              "default all on one")
     parser.add_argument("--vit-pp-layers", default=None,
                         help="vision layers per stage, all on the first: [[32,0]] or 32,0")
+    parser.add_argument("--lora", default=None, metavar="ADAPTER_DIR",
+                        help="convert this peft LoRA adapter (adapter_config.json + adapter_model.safetensors) of the "
+                             "model in HF_DIR (its HF directory or converted checkpoint) instead of the model: "
+                             "MCORE_DIR then holds the adapters alone, for the trainer's --load beside "
+                             "--load-base-model")
     return parser
 
 
@@ -48,7 +53,19 @@ def _mcore_to_hf_parser() -> ArgumentParser:
     return parser
 
 
-COMMANDS = {"hf-to-mcore": _hf_to_mcore_parser, "mcore-to-hf": _mcore_to_hf_parser}
+def _lora_to_hf_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="mm-adaptor convert lora-to-hf",
+                            description="A LoRA run's --save (adapters alone, any TP/PP layout) -> peft's adapter "
+                                        "directory (adapter_config.json + adapter_model.safetensors) for "
+                                        "transformers' model, which PeftModel.from_pretrained loads.")
+    parser.add_argument("mcore_dir", metavar="MCORE_DIR", help="the LoRA run's --save (its latest iteration)")
+    parser.add_argument("hf_dir", metavar="OUT", help="an empty or new directory")
+    parser.add_argument("--hf-config", default=None,
+                        help="the base model's config.json (default MCORE_DIR/hf/config.json, which the run wrote)")
+    return parser
+
+
+COMMANDS = {"hf-to-mcore": _hf_to_mcore_parser, "mcore-to-hf": _mcore_to_hf_parser, "lora-to-hf": _lora_to_hf_parser}
 
 
 def main(argv: list[str]) -> int:
@@ -56,7 +73,8 @@ def main(argv: list[str]) -> int:
                          description="Convert checkpoints (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, InternVL). "
                                      + LAYOUT_NOTE,
                          help_hint="`mm-adaptor convert --help` lists the directions")
-    top.add_argument("direction", choices=list(COMMANDS), help="hf-to-mcore or mcore-to-hf (each has --help)")
+    top.add_argument("direction", choices=list(COMMANDS),
+                     help="hf-to-mcore, mcore-to-hf or lora-to-hf (each has --help)")
     if not argv or argv[0].startswith("-"):
         top.parse_args(argv or ["--help"])
         return 2
@@ -69,7 +87,18 @@ def main(argv: list[str]) -> int:
     from mm_adaptor.convert import ConvertError
 
     try:
-        if argv[0] == "hf-to-mcore":
+        if argv[0] == "lora-to-hf":
+            from mm_adaptor.lora.convert import lora_to_hf
+
+            figures = lora_to_hf(args.mcore_dir, args.hf_dir, args.hf_config)
+        elif argv[0] == "hf-to-mcore" and args.lora:
+            from mm_adaptor.lora.convert import hf_to_mcore
+
+            if (args.tp, args.ep, args.llm_pp_layers, args.vit_pp_layers) != (1, 1, None, None):
+                raise ConvertError("--lora converts an adapter, which the trainer reshards to its layout on load: "
+                                   "drop the layout flags")
+            figures = hf_to_mcore(args.lora, args.hf_dir, args.mcore_dir)
+        elif argv[0] == "hf-to-mcore":
             from mm_adaptor.convert.hf_to_mcore import convert
             from mm_adaptor.convert.layout import parse_layers
 

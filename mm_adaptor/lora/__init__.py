@@ -92,6 +92,18 @@ def gated_fc1(model, name: str) -> bool:
     return bool(getattr(config, "gated_linear_unit", False))
 
 
+def global_name(model, name: str) -> str:
+    """The module's name with each layer's index its global one (its TransformerLayer's layer_number - 1): what
+    it is called in the whole model, whichever pipeline stage holds it (the adapters' initial values follow it)."""
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        if parts[i - 1] == "layers" and parts[i].isdigit():
+            number = getattr(model.get_submodule(".".join(parts[:i + 1])), "layer_number", None)
+            if number is not None:
+                parts[i] = str(number - 1)
+    return ".".join(parts)
+
+
 def candidates(model, settings: Settings) -> tuple[dict[str, object], set[str]]:
     """The megatron linears the targets name, outside frozen towers (name -> module), and the targets that named
     one. ValueError names a module the targets hit that takes no adapter."""
@@ -127,7 +139,7 @@ def apply(model, settings: Settings, require_every_target: bool = True) -> dict:
         param.requires_grad_(False)
     for name, module in chosen.items():
         shape = AdapterShape(settings.r, settings.alpha, settings.dropout, gated_fc1(model, name))
-        add_adapter(module, shape, settings.seed, name)
+        add_adapter(module, shape, settings.seed, global_name(model, name))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     return {"lora_modules": sorted(chosen), "lora_targets_hit": sorted(hit), "trainable_elements": trainable,
@@ -181,4 +193,44 @@ def load_base(model, directory) -> int:
     missing = [key for key in missing if not is_adapter_key(key) and not key.endswith("_extra_state")]
     if missing:
         raise ValueError(f"--load-base-model {directory}: {missing[0]} was not loaded")
+    return len(loaded)
+
+
+def checkpoint_settings(directory, seed: int = 0) -> Settings:
+    """The Settings a LoRA checkpoint was made with: a LoRA run's arguments (its common state), or a conversion's
+    record (mm_adaptor_convert.json). ValueError when it holds no adapters."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from mm_adaptor.convert.mcore_io import INFO
+
+    info = Path(directory) / INFO
+    if info.is_file() and json.loads(info.read_text()).get("lora"):
+        saved = argparse.Namespace(**json.loads(info.read_text())["lora"])
+    else:
+        from mm_adaptor.train.arguments import saved_arguments
+
+        saved = saved_arguments(str(directory))
+    if saved is None or not getattr(saved, "lora_target_modules", None):
+        raise ValueError(f"{directory}: not a LoRA checkpoint (no adapters' settings in it)")
+    towers = ("vision_model",) * bool(getattr(saved, "freeze_vision", False)) + \
+        ("language_model",) * bool(getattr(saved, "freeze_language", False))
+    return Settings(targets=targets_of(saved.lora_target_modules), r=saved.lora_r, alpha=float(saved.lora_alpha),
+                    dropout=getattr(saved, "lora_dropout", 0.0), seed=seed, frozen_towers=towers)
+
+
+def load_adapters(model, directory) -> int:
+    """The adapters of a LoRA checkpoint (its latest iteration) into a model that apply() gave the same
+    adapters, resharded to this layout. Returns the tensors loaded."""
+    from pathlib import Path
+
+    from megatron.core import dist_checkpointing
+
+    from mm_adaptor.convert.mcore_to_hf import checkpoint_path
+
+    whole = getattr(model, "lora_whole_sharded_state_dict", model.sharded_state_dict)
+    request = {key: entry for key, entry in whole(metadata=checkpoint_metadata()).items() if is_adapter_key(key)}
+    loaded = dist_checkpointing.load({"model": request}, str(checkpoint_path(Path(directory))))["model"]
+    model.load_state_dict(loaded, strict=False)
     return len(loaded)

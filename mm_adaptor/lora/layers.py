@@ -88,6 +88,12 @@ def initial_a(rows: int, columns: int, seed: int, name: str) -> torch.Tensor:
     return torch.empty(rows, columns).uniform_(-bound, bound, generator=generator)
 
 
+def mark_sequence_parallel(whole: torch.Tensor, layer) -> None:
+    """Under sequence parallelism a factor every rank holds whole gets a gradient from the rank's tokens alone:
+    megatron sums such parameters' gradients over the tensor-parallel ranks (finalize_model_grads)."""
+    whole.sequence_parallel = bool(layer.sequence_parallel)
+
+
 _SWAPPED: dict[type, type] = {}
 
 
@@ -116,7 +122,7 @@ def add_adapter(layer, shape: AdapterShape, seed: int, name: str) -> None:
                                                                                        layer.lora_B.weight)
     tensor_parallel.set_tensor_model_parallel_attributes(split, True, 0 if kind == "column" else 1, 1)
     tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(whole)
-    whole.sequence_parallel = bool(layer.sequence_parallel)  # its gradient is per rank's tokens then: summed
+    mark_sequence_parallel(whole, layer)
     layer.lora_shape, layer.lora_kind = shape, kind
     cls = type(layer)
     if cls not in _SWAPPED:

@@ -30,3 +30,16 @@ class StopWithoutSaving(Feature):
         ps = PatchSet(self.name)
         ps.replace("megatron.training.training.save_checkpoint_and_time", lambda *args, **kwargs: None)
         return [ps]
+
+
+@register
+class LoraGradientsNotSummed(Feature):
+    name = "test-lora-unsummed-gradients"
+    description = "a broken LoRA whose whole factors' gradients are not summed over the sequence-parallel ranks"
+    flags = (Flag("--test-lora-unsummed-gradients", description),)
+    tolerance = BIT_FOR_BIT
+
+    def patch_sets(self, options):
+        ps = PatchSet(self.name)
+        ps.replace("mm_adaptor.lora.layers.mark_sequence_parallel", lambda whole, layer: None)
+        return [ps]

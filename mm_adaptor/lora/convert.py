@@ -1,0 +1,155 @@
+"""`mm-adaptor convert lora-to-hf` and `hf-to-mcore --lora`: a LoRA run's adapters (a Megatron dist checkpoint of the
+adapters alone, any TP/PP layout) <-> peft's adapter directory (adapter_config.json + adapter_model.safetensors
+under the keys peft gives transformers' model). Both refuse in one line (ConvertError) before writing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from mm_adaptor.convert import ConvertError
+from mm_adaptor.convert.hf_to_mcore import read_config, require_empty
+from mm_adaptor.convert.mcore_io import INFO, ITER_DIR, MARKER
+from mm_adaptor.lora import hf as lora_hf
+from mm_adaptor.lora.layers import LORA_A, is_adapter_key
+
+
+def _family(config_path: Path):
+    from mm_adaptor.convert.families import checkpoint_family
+
+    try:
+        return checkpoint_family(read_config(config_path))
+    except (KeyError, ValueError) as error:
+        raise ConvertError(f"{config_path}: {error}") from None
+
+
+def _settings(mcore_dir: Path, checkpoint: Path) -> dict:
+    """The adapters' alpha and dropout: their training run's arguments (the checkpoint's common state), or a
+    conversion's record (mm_adaptor_convert.json)."""
+    if (mcore_dir / INFO).is_file():
+        lora = json.loads((mcore_dir / INFO).read_text()).get("lora")
+        if lora:
+            return lora
+    from megatron.core import dist_checkpointing
+
+    args = dist_checkpointing.load_common_state_dict(str(checkpoint)).get("args")
+    if args is None or not getattr(args, "lora_target_modules", None):
+        raise ConvertError(f"{mcore_dir}: not a LoRA run's checkpoint (its arguments name no --lora-target-modules)")
+    return {"lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout, "lora_r": args.lora_r}
+
+
+def lora_to_hf(mcore_dir, out, hf_config=None) -> dict:
+    """A LoRA run's --save (its latest iteration) -> peft's adapter directory for transformers' model."""
+    from safetensors.torch import save_file
+
+    from mm_adaptor.convert.mcore_to_hf import _torch_format_problem, checkpoint_path
+    from mm_adaptor.convert.mcore_io import Reader
+    from mm_adaptor.convert.rules import to_hf
+
+    start = time.time()
+    mcore_dir, out = Path(mcore_dir), Path(out)
+    require_empty(out)
+    config_path = Path(hf_config) if hf_config else mcore_dir / "hf" / "config.json"
+    family = _family(config_path)
+    path = checkpoint_path(mcore_dir)
+    problem = _torch_format_problem(path)
+    if problem:
+        raise ConvertError(problem)
+    settings = _settings(mcore_dir, path)
+    stored = Reader(path).tensors()
+    reader = Reader(path)
+    adapters = {key for key in stored if is_adapter_key(key) and not key.startswith("optimizer.")}
+    if not adapters:
+        raise ConvertError(f"{path}: no adapter tensors (lora_A / lora_B) in the checkpoint")
+    whole = lora_hf.adapter_family(family)
+    family_keys = {family.placement(rule, layer)[0] for rule in whole.rules for layer in whole.layers(rule)}
+    unknown = sorted(adapters - family_keys)
+    if unknown:
+        raise ConvertError(f"{unknown[0]}: the {family.name} mapping has no linear under that name")
+    chosen = lora_hf.adapter_family(family, keep=lambda rule: family.placement(rule, family.layers(rule)[0])[0]
+                                    in adapters)
+    tensors, ranks = {}, set()
+    for rule in chosen.rules:
+        for layer in chosen.layers(rule):
+            key, offsets, _ = chosen.placement(rule, layer)
+            tensor = reader.read(key, offsets)
+            if rule.mcore.endswith(f"{LORA_A}.weight"):
+                ranks.add(tensor.shape[0])
+            tensors.update(zip(rule.hf_names(layer), to_hf(rule, tensor)))
+    if len(ranks) != 1:
+        raise ConvertError(f"{path}: adapters of ranks {sorted(ranks)}; peft's config holds one")
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        save_file(tensors, str(out / lora_hf.WEIGHTS_NAME), metadata={"format": "pt"})
+        lora_hf.write_config(out, family, {lora_hf.module_of(name) for name in tensors}, ranks.pop(),
+                             settings["lora_alpha"], settings.get("lora_dropout", 0.0))
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return {"seconds": time.time() - start, "tensors": len(tensors), "bytes": nbytes}
+
+
+def base_config(base_dir: Path) -> Path:
+    """The base model's config.json: an HF directory's own, or a converted checkpoint's hf/."""
+    for path in (base_dir / "config.json", base_dir / "hf" / "config.json"):
+        if path.is_file():
+            return path
+    raise ConvertError(f"{base_dir}: no config.json (an HF model directory) and no hf/config.json (a converted "
+                       "checkpoint): give the base model the adapter was trained on")
+
+
+def hf_to_mcore(adapter_dir, base_dir, out) -> dict:
+    """peft's adapter directory for the model under BASE_DIR (its HF directory, or the converted checkpoint) -> a
+    Megatron dist checkpoint of the adapters alone, which the trainer takes with --load OUT --load-base-model
+    <the converted base> (as a converted checkpoint: iteration 0, a new optimizer)."""
+    from safetensors.torch import load_file
+
+    from mm_adaptor.convert.mcore_io import PieceWriter, single_process_group
+
+    start = time.time()
+    adapter_dir, base_dir, out = Path(adapter_dir), Path(base_dir), Path(out)
+    require_empty(out)
+    family = _family(base_config(base_dir))
+    try:
+        config = lora_hf.read_config(adapter_dir)
+    except ValueError as error:
+        raise ConvertError(str(error)) from None
+    weights = adapter_dir / lora_hf.WEIGHTS_NAME
+    if not weights.is_file():
+        raise ConvertError(f"{adapter_dir}: no {lora_hf.WEIGHTS_NAME}")
+    peft_tensors = {name.replace(".default.", "."): tensor for name, tensor in load_file(str(weights)).items()}
+    try:
+        tensors = lora_hf.from_peft(family, peft_tensors)
+    except ValueError as error:
+        raise ConvertError(f"{weights}: {error}") from None
+    ranks = {tensor.shape[0] for name, tensor in tensors.items() if name.endswith(f"{LORA_A}.weight")}
+    if ranks != {config["r"]}:
+        raise ConvertError(f"{weights}: A factors of rank {sorted(ranks)}, its config says r {config['r']}")
+    chosen = lora_hf.adapter_family(family)
+    placements = []
+    for rule in chosen.rules:
+        for layer in chosen.layers(rule):
+            name = rule.mcore_name(layer)
+            if name in tensors:
+                key, offsets, totals = chosen.placement(rule, layer)
+                placements.append((key, tensors[name].contiguous(), offsets, totals))
+    targets = sorted({name.rsplit(".", 3)[0].rsplit(".", 1)[-1] for name in tensors})
+    lora = {"lora_target_modules": targets, "lora_r": config["r"], "lora_alpha": float(config["lora_alpha"]),
+            "lora_dropout": float(config.get("lora_dropout") or 0.0)}
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with single_process_group():
+            writer = PieceWriter(out / ".staging")
+            writer.save(placements, [], {"mm_adaptor_convert": {"family": family.name, "lora": lora}})
+            writer.finish(out / ITER_DIR)
+        (out / MARKER).write_text("0")
+        (out / INFO).write_text(json.dumps({"family": family.name, "lora": lora, "source": str(adapter_dir),
+                                            "base": str(base_dir), "tensors": len(placements)}, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    nbytes = sum(tensor.numel() * tensor.element_size() for _, tensor, _, _ in placements)
+    return {"seconds": time.time() - start, "tensors": len(placements), "bytes": nbytes}

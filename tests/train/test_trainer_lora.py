@@ -1,0 +1,180 @@
+"""LoRA fine-tuning in the trainer (MindSpeed-MM's flags): the base frozen and loaded from a whole model's
+checkpoint, the adapters trained, saved alone and resumed at another layout, and exported to peft's format.
+
+- The GPT from a trained base: the same losses at TP1, TP2 with sequence parallelism and PP2 (the adapters' split
+  factors and their gradients are whole-model ones), and a TP2 save resumes at TP1 where the straight run went on.
+  Measured (CPU, fp32): 0 to 2e-7 relative between layouts and on the resume; LIMIT as for the trainer's other
+  layout changes. Broken variant: the whole factors' gradients not summed over the sequence-parallel ranks (3e-3).
+- Qwen2.5-VL converted from HF: LoRA on both towers at TP2 + SP, its save exported with `convert lora-to-hf`; peft
+  loads it on transformers' model and gives our model's logits (fp32, FP32_TOLERANCE as the family's logit test);
+  the adapter converted back is the save's, bit for bit. Broken variant: the split factor's TP halves swapped in the
+  export is rejected."""
+
+import pytest
+
+from trainer_runs import QUICK, relative_differences, scalars, train
+
+from mm_adaptor.harness.compare import extra_feature_module
+
+pytestmark = pytest.mark.distributed
+pytest.importorskip("megatron.training")
+pytest.importorskip("tensorboard")
+
+LIMIT = 2e-5
+FP32_TOLERANCE = 1e-5
+TARGETS = ["--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+GPT = [*QUICK, "--global-batch-size", "4", "--micro-batch-size", "1", "--lr", "1e-2", "--swiglu"]
+ITERATIONS, SAVED = 6, 3
+
+
+@pytest.fixture(scope="module")
+def gpt_base(tmp_path_factory):
+    """A GPT trained whole for 2 iterations (its save: the base), at TP1 on one rank."""
+    path = tmp_path_factory.mktemp("gpt_base")
+    run = train(["--nproc-per-node", "1", *GPT, "--train-iters", "2", "--save", str(path / "base"),
+                 "--save-interval", "2"])
+    assert run.status == 0, run.err[-3000:]
+    return path / "base"
+
+
+def _lora(tmp_path, name, base, *extra, nproc=2):
+    run = train(["--nproc-per-node", str(nproc), *GPT, *TARGETS, "--lora-r", "4", "--lora-alpha", "8",
+                 "--train-iters", str(ITERATIONS), "--tensorboard-dir", str(tmp_path / name), *extra] +
+                (["--load", str(base)] if base else []))
+    assert run.status == 0, run.err[-3000:]
+    return run, scalars(tmp_path / name)
+
+
+def test_gpt_lora_is_the_same_at_every_layout_and_resumes_at_another(gpt_base, tmp_path):
+    from megatron.core import dist_checkpointing
+
+    straight, reference = _lora(tmp_path, "tp1", gpt_base, nproc=1)
+    assert f"LoRA: --load {gpt_base} holds the base model" in straight.out
+    assert "LoRA r 4, alpha 8: 16 linears adapted" in straight.out
+    assert reference[1] != reference[ITERATIONS]  # the adapters trained
+    _, sp = _lora(tmp_path, "tp2_sp", gpt_base, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                  "--save", str(tmp_path / "saved"), "--save-interval", str(SAVED))
+    _, pp = _lora(tmp_path, "pp2", gpt_base, "--pipeline-model-parallel-size", "2")
+    for found in (sp, pp):
+        assert sorted(found) == sorted(reference)
+        assert max(relative_differences(reference, found).values()) <= LIMIT, found
+    stored = dist_checkpointing.load_tensors_metadata(str(tmp_path / "saved" / f"iter_{SAVED:07d}"))
+    model_keys = [key for key in stored if not key.startswith("optimizer.")]
+    assert model_keys and all(".lora_A." in key or ".lora_B." in key for key in model_keys), model_keys
+    with extra_feature_module("broken_trainer_features"):
+        _, broken = _lora(tmp_path, "broken", gpt_base, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                          "--test-lora-unsummed-gradients")
+    assert max(relative_differences(reference, broken).values()) > 10 * LIMIT, broken
+    _, resumed = _lora(tmp_path, "resumed", None, "--load", str(tmp_path / "saved"), "--load-base-model",
+                       str(gpt_base), "--ckpt-step", str(SAVED), nproc=1)
+    assert sorted(resumed) == list(range(SAVED + 1, ITERATIONS + 1))
+    assert max(relative_differences(reference, resumed).values()) <= LIMIT, resumed
+
+
+def test_lora_refusals_are_one_line(gpt_base, tmp_path):
+    saved = tmp_path / "saved"
+    first = train(["--nproc-per-node", "1", *GPT, *TARGETS, "--train-iters", "1", "--load", str(gpt_base),
+                   "--save", str(saved), "--save-interval", "1"])
+    assert first.status == 0, first.err[-3000:]
+    cases = {
+        ("--lora-target-modules", "q_proj", "k_proj"): "MindSpeed-MM's separate q/k/v and gate/up adapters",
+        (*TARGETS, "--load", str(saved)): "holds LoRA adapters alone: add --load-base-model",
+        (*TARGETS, "--lora-alpha", "32", "--load", str(saved), "--load-base-model", str(gpt_base)):
+            "--lora-alpha 32.0: --load",
+        (*TARGETS, "--load-base-model", str(saved)): "no whole model's checkpoint there",
+        ("--load-base-model", str(gpt_base)): "LoRA is off (no --lora-target-modules)",
+        (*TARGETS, "--ckpt-format", "torch"): "--ckpt-format torch: LoRA checkpoints hold the adapters alone",
+    }
+    for flags, said in cases.items():
+        run = train(["--nproc-per-node", "1", *GPT, "--train-iters", "2", *flags])
+        assert run.status == 2 and len(run.err.strip().splitlines()) == 1 and said in run.err, (flags, run.err)
+
+
+def test_qwen2_5_vl_lora_exports_to_peft_and_back(tmp_path):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText
+
+    from hf_compat import with_token_types
+    from mm_adaptor.cli import main
+    from mm_adaptor.convert.mcore_io import Reader
+    from mm_adaptor.convert.mcore_to_hf import checkpoint_path
+    from mm_adaptor.data.shapes import make_shapes
+    from mm_adaptor.models.make_tiny_hf import make_tiny_hf
+
+    make_tiny_hf(str(tmp_path / "hf"), "qwen2_5_vl", seed=3)
+    shapes = make_shapes(str(tmp_path), count=8, seed=0)
+    assert main(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "base")]) == 0
+    run = train(["--nproc-per-node", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                 "--load", str(tmp_path / "base"), "--data-path", shapes, "--split", "100,0,0", "--seq-length", "256",
+                 "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2", "--lr", "5e-2", *QUICK,
+                 *TARGETS, "--lora-r", "4", "--lora-alpha", "8", "--save", str(tmp_path / "saved"),
+                 "--save-interval", "2"])
+    assert run.status == 0, run.err[-3000:]
+    assert (tmp_path / "saved" / "hf" / "config.json").is_file()
+    assert main(["convert", "lora-to-hf", str(tmp_path / "saved"), str(tmp_path / "adapter")]) == 0
+    hf_model = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf_model, str(tmp_path / "adapter")).eval()
+    exported = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    adapted = {name.replace(".default", "") for name, _ in peft_model.named_parameters() if ".lora_" in name}
+    assert adapted == set(exported) and any(".visual." in name for name in exported)
+
+    got, config, (ids, pixels, grid) = _ours_with_the_adapter(tmp_path)
+    inputs = {"input_ids": ids, **with_token_types(config, ids, pixel_values=pixels, image_grid_thw=grid)}
+    with torch.no_grad():
+        expected = peft_model(**inputs).logits
+        with peft_model.disable_adapter():
+            plain = peft_model(**inputs).logits
+    assert _relative(expected, plain) > 100 * FP32_TOLERANCE, "the trained adapters change the logits"
+    assert _relative(got, expected) < FP32_TOLERANCE
+
+    # broken: the two TP ranks' halves of a split factor swapped (q_proj's B, split by rows at TP2)
+    key = next(name for name in exported if "language_model.layers.0.self_attn.q_proj.lora_B" in name)
+    swapped = dict(exported)
+    first, second = exported[key].chunk(2)
+    swapped[key] = torch.cat([second, first])
+    save_file(swapped, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    broken = PeftModel.from_pretrained(
+        AutoModelForImageTextToText.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32),
+        str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        wrong = broken(**inputs).logits
+    assert _relative(got, wrong) > 10 * FP32_TOLERANCE
+    save_file(exported, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+
+    assert main(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "back"), "--lora",
+                 str(tmp_path / "adapter")]) == 0
+    saved, back = Reader(checkpoint_path(tmp_path / "saved")), Reader(checkpoint_path(tmp_path / "back"))
+    keys = sorted(key for key in saved.tensors() if ".lora_" in key and not key.startswith("optimizer."))
+    assert keys == sorted(back.tensors())
+    for key in keys:
+        assert torch.equal(saved.read(key), back.read(key)), key
+
+
+def _ours_with_the_adapter(tmp_path):
+    """Logits of our Qwen2.5-VL at TP1 with the base and the TP2 save's adapters (mm-adaptor generate's loader) on a
+    prompt with an image, its config, and the prompt (ids, pixels, grid)."""
+    import torch
+
+    from gloo_rank import one_gloo_rank
+    from mm_adaptor.cli.generate import load_model
+    from mm_adaptor.models import rope_index_for
+
+    from megatron.core import tensor_parallel
+
+    with one_gloo_rank():
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        model, config = load_model(str(tmp_path / "base"), str(tmp_path / "saved"))
+        generator = torch.Generator().manual_seed(5)
+        grid = torch.tensor([[1, 4, 4]])
+        pixels = torch.randn(16, config.patch_dim, generator=generator)
+        start = config.vision_start_token_id
+        ids = torch.tensor([[1, 2, 3, start, *[config.image_token_id] * 4, start + 1, 4, 5, 6]])
+        positions, _ = rope_index_for(config, ids, grid)
+        with torch.no_grad():
+            return model(ids, positions, pixel_values=pixels, image_grid_thw=grid), config, (ids, pixels, grid)
+
+
+def _relative(ours, reference):
+    return ((ours.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
