@@ -65,7 +65,22 @@ def _lora_to_hf_parser() -> ArgumentParser:
     return parser
 
 
-COMMANDS = {"hf-to-mcore": _hf_to_mcore_parser, "mcore-to-hf": _mcore_to_hf_parser, "lora-to-hf": _lora_to_hf_parser}
+def _merge_lora_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="mm-adaptor convert merge-lora",
+                            description="A LoRA run's --save merged into its base model: a whole Hugging Face "
+                                        "checkpoint (W + alpha / r * B @ A, what peft's merge_and_unload gives).")
+    parser.add_argument("mcore_dir", metavar="LORA_DIR", help="the LoRA run's --save (its latest iteration)")
+    parser.add_argument("hf_dir", metavar="OUT", help="an empty or new directory")
+    parser.add_argument("--base", default=None, metavar="BASE_DIR",
+                        help="the base model's Megatron checkpoint (default: the run's --load-base-model)")
+    parser.add_argument("--hf-config", default=None,
+                        help="the base model's config.json (default LORA_DIR/hf/config.json, which the run wrote)")
+    parser.add_argument("--max-shard-size-gb", type=float, default=5.0, help="largest output shard (default 5)")
+    return parser
+
+
+COMMANDS = {"hf-to-mcore": _hf_to_mcore_parser, "mcore-to-hf": _mcore_to_hf_parser, "lora-to-hf": _lora_to_hf_parser,
+            "merge-lora": _merge_lora_parser}
 
 
 def main(argv: list[str]) -> int:
@@ -74,7 +89,7 @@ def main(argv: list[str]) -> int:
                                      + LAYOUT_NOTE,
                          help_hint="`mm-adaptor convert --help` lists the directions")
     top.add_argument("direction", choices=list(COMMANDS),
-                     help="hf-to-mcore, mcore-to-hf or lora-to-hf (each has --help)")
+                     help="hf-to-mcore, mcore-to-hf, lora-to-hf or merge-lora (each has --help)")
     if not argv or argv[0].startswith("-"):
         top.parse_args(argv or ["--help"])
         return 2
@@ -87,7 +102,11 @@ def main(argv: list[str]) -> int:
     from mm_adaptor.convert import ConvertError
 
     try:
-        if argv[0] == "lora-to-hf":
+        if argv[0] == "merge-lora":
+            from mm_adaptor.lora.convert import merge
+
+            figures = merge(args.mcore_dir, args.hf_dir, args.base, args.hf_config, int(args.max_shard_size_gb * 1e9))
+        elif argv[0] == "lora-to-hf":
             from mm_adaptor.lora.convert import lora_to_hf
 
             figures = lora_to_hf(args.mcore_dir, args.hf_dir, args.hf_config)

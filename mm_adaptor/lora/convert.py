@@ -37,7 +37,8 @@ def _settings(mcore_dir: Path, checkpoint: Path) -> dict:
     args = dist_checkpointing.load_common_state_dict(str(checkpoint)).get("args")
     if args is None or not getattr(args, "lora_target_modules", None):
         raise ConvertError(f"{mcore_dir}: not a LoRA run's checkpoint (its arguments name no --lora-target-modules)")
-    return {"lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout, "lora_r": args.lora_r}
+    return {"lora_alpha": args.lora_alpha, "lora_dropout": args.lora_dropout, "lora_r": args.lora_r,
+            "load_base_model": getattr(args, "load_base_model", None)}
 
 
 def lora_to_hf(mcore_dir, out, hf_config=None) -> dict:
@@ -153,3 +154,67 @@ def hf_to_mcore(adapter_dir, base_dir, out) -> dict:
         raise
     nbytes = sum(tensor.numel() * tensor.element_size() for _, tensor, _, _ in placements)
     return {"seconds": time.time() - start, "tensors": len(placements), "bytes": nbytes}
+
+
+class _Merged:
+    """A base checkpoint's Reader with each adapted weight read as W + alpha / r * B @ A (the adapter's factors at
+    the same key and offsets: Megatron's fused rows, so one product serves every HF part), in float32."""
+
+    def __init__(self, base, adapters, scaling: float):
+        self.base, self.adapters, self.scaling = base, adapters, scaling
+        self.adapted = {key[:-len(f"{LORA_A}.weight")] for key in adapters.tensors()
+                        if key.endswith(f"{LORA_A}.weight") and not key.startswith("optimizer.")}
+        self.merged: set[str] = set()
+
+    def tensors(self):
+        return self.base.tensors()
+
+    def read(self, key: str, index=()):
+
+        weight = self.base.read(key, index)
+        module = key[:-len("weight")]
+        if not key.endswith(".weight") or module not in self.adapted:
+            return weight
+        a = self.adapters.read(f"{module}{LORA_A}.weight", index).float()
+        b = self.adapters.read(f"{module}lora_B.weight", index).float()
+        self.merged.add(module)
+        return (weight.float() + (b @ a) * self.scaling).to(weight.dtype)
+
+
+def merge(lora_dir, out, base_dir=None, hf_config=None, max_shard_bytes: int = 5 * 10**9) -> dict:
+    """A LoRA run's --save merged into its base: a whole HF checkpoint (the weights W + alpha / r * B @ A, what
+    peft's merge_and_unload gives) that transformers loads like any other. The base: --base, else the run's
+    --load-base-model."""
+    from mm_adaptor.convert.mcore_io import Reader
+    from mm_adaptor.convert.mcore_to_hf import _write, checkpoint_path, plan
+
+    lora_dir, out = Path(lora_dir), Path(out)
+    require_empty(out)
+    adapters_path = checkpoint_path(lora_dir)
+    settings = _settings(lora_dir, adapters_path)
+    base = base_dir or settings.get("load_base_model")
+    if not base:
+        raise ConvertError(f"{lora_dir}: its run names no --load-base-model: give --base BASE_DIR")
+    base = Path(base)
+    config = Path(hf_config) if hf_config else (lora_dir / "hf" / "config.json"
+                                                 if (lora_dir / "hf" / "config.json").is_file() else None)
+    family, reader, units, major = plan(base, config)
+    adapters = Reader(adapters_path)
+    ranks = {shape[-2] for key, (shape, _) in adapters.tensors().items()
+             if key.endswith(f"{LORA_A}.weight") and not key.startswith("optimizer.")}
+    if len(ranks) != 1:
+        raise ConvertError(f"{adapters_path}: no adapters, or adapters of several ranks {sorted(ranks)}")
+    merged = _Merged(reader, adapters, settings["lora_alpha"] / ranks.pop())
+    unknown = sorted(merged.adapted - {key[:-len("weight")] for key in reader.tensors()})
+    if unknown:
+        raise ConvertError(f"{unknown[0]}lora_A.weight: the base {base} has no such weight")
+    try:
+        figures = _write(family, merged, units, major, base, out, hf_config, max_shard_bytes)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    if merged.merged != merged.adapted:
+        shutil.rmtree(out, ignore_errors=True)
+        missed = sorted(merged.adapted - merged.merged)
+        raise ConvertError(f"{missed[0]}weight: adapted but not written (no HF tensor takes it)")
+    return {**figures, "merged": len(merged.merged)}

@@ -6,9 +6,10 @@ checkpoint, the adapters trained, saved alone and resumed at another layout, and
   Measured (CPU, fp32): 0 to 2e-7 relative between layouts and on the resume; LIMIT as for the trainer's other
   layout changes. Broken variant: the whole factors' gradients not summed over the sequence-parallel ranks (3e-3).
 - Qwen2.5-VL converted from HF: LoRA on both towers at TP2 + SP, its save exported with `convert lora-to-hf`; peft
-  loads it on transformers' model and gives our model's logits (fp32, FP32_TOLERANCE as the family's logit test);
-  the adapter converted back is the save's, bit for bit. Broken variant: the split factor's TP halves swapped in the
-  export is rejected."""
+  loads it on transformers' model and gives our model's logits (fp32: 2.1e-7 relative; FP32_TOLERANCE as the
+  family's logit test); the adapter converted back is the save's, bit for bit; `convert merge-lora` writes peft's
+  merge_and_unload weights (bit-equal here) in a checkpoint transformers loads strictly. Broken variant: the split
+  factor's TP halves swapped in the export (7.1e-3) is rejected."""
 
 import pytest
 
@@ -22,6 +23,7 @@ pytest.importorskip("tensorboard")
 
 LIMIT = 2e-5
 FP32_TOLERANCE = 1e-5
+MERGE_ROUNDING = 1e-6  # float32, elementwise; measured 0.0 (bit-equal here); a product's summation order may differ
 TARGETS = ["--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 GPT = [*QUICK, "--global-batch-size", "4", "--micro-batch-size", "1", "--lr", "1e-2", "--swiglu"]
 ITERATIONS, SAVED = 6, 3
@@ -115,6 +117,7 @@ def test_qwen2_5_vl_lora_exports_to_peft_and_back(tmp_path):
     assert (tmp_path / "saved" / "hf" / "config.json").is_file()
     assert main(["convert", "lora-to-hf", str(tmp_path / "saved"), str(tmp_path / "adapter")]) == 0
     hf_model = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32)
+    hf_model_state = {name: tensor.clone() for name, tensor in hf_model.state_dict().items()}
     peft_model = PeftModel.from_pretrained(hf_model, str(tmp_path / "adapter")).eval()
     exported = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     adapted = {name.replace(".default", "") for name, _ in peft_model.named_parameters() if ".lora_" in name}
@@ -142,6 +145,19 @@ def test_qwen2_5_vl_lora_exports_to_peft_and_back(tmp_path):
         wrong = broken(**inputs).logits
     assert _relative(got, wrong) > 10 * FP32_TOLERANCE
     save_file(exported, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+
+    # merged: the weights of peft's merge_and_unload, and a checkpoint transformers loads strictly
+    assert main(["convert", "merge-lora", str(tmp_path / "saved"), str(tmp_path / "merged")]) == 0
+    reference = peft_model.merge_and_unload().state_dict()
+    merged, info = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "merged"), torch_dtype=torch.float32,
+                                                               output_loading_info=True)
+    assert not any(info.values()), info
+    merged = merged.state_dict()
+    assert sorted(merged) == sorted(reference)
+    worst = max((merged[name] - reference[name]).abs().max().item() for name in merged)
+    assert worst <= MERGE_ROUNDING, worst
+    changed = [name for name in merged if not torch.equal(merged[name], hf_model_state[name])]
+    assert any("visual" in name for name in changed) and any("language_model" in name for name in changed)
 
     assert main(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "back"), "--lora",
                  str(tmp_path / "adapter")]) == 0
