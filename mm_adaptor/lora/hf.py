@@ -24,15 +24,37 @@ CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 ADAPTABLE_OPS = {"copy": "copy", "qkv_fused": "copy", "qkv": "shared", "cat": "shared"}  # base op -> A's op
 
 
+def transformers_names(config: dict) -> frozenset[str]:
+    """The parameter names of transformers' model of an HF config, as it holds them in memory (built on the meta
+    device: no memory, any size)."""
+    key = json.dumps(config, sort_keys=True, default=str)
+    if key not in _NAMES:
+        import torch
+        import transformers
+
+        settings = {k: v for k, v in config.items() if k != "model_type"}
+        hf_config = transformers.AutoConfig.for_model(config["model_type"], **settings)
+        with torch.device("meta"):
+            model = transformers.AutoModelForImageTextToText.from_config(hf_config)
+        _NAMES[key] = frozenset(name for name, _ in model.named_parameters())
+    return _NAMES[key]
+
+
+_NAMES: dict[str, frozenset[str]] = {}
+
+
 def in_memory_name(family: Family, name: str) -> str:
-    """An HF name as the family's rules write it (the saved form) -> the name of that tensor in transformers' model
-    in memory, which peft's keys use (Family.hf_aliases maps in-memory prefixes to saved ones)."""
-    if any(name.startswith(new) for new in family.hf_aliases):
+    """An HF name as the family's rules write it (`{i}` for a layer) -> the name transformers' model holds it under
+    in memory, which peft's keys use: the rules' own, or one of the family's alias prefixes in its place (whichever
+    the installed transformers' model has)."""
+    held = transformers_names(family.config)
+    probe = name.replace("{i}", "0").replace("{e}", "0")
+    if probe in held:
         return name
     for new, old in family.hf_aliases.items():
-        if name.startswith(old):
+        if name.startswith(old) and new + probe[len(old):] in held:
             return new + name[len(old):]
-    return name
+    raise ValueError(f"{probe}: transformers' {family.config.get('model_type')} model holds no such parameter")
 
 
 def peft_key(family: Family, hf_weight: str, factor: str) -> str:
@@ -74,7 +96,7 @@ def target_modules(family: Family, adapted: set[str]):
     """adapter_config.json's target_modules: the adapted modules' last names where peft's suffix match over the
     base's modules selects exactly them (what users and serving engines expect), else a regular expression that
     peft full-matches to exactly them."""
-    every = {in_memory_name(family, name)[:-len(".weight")] for name in family.hf_index() if name.endswith(".weight")}
+    every = {name[:-len(".weight")] for name in transformers_names(family.config) if name.endswith(".weight")}
     leaves = sorted({name.rsplit(".", 1)[-1] for name in adapted})
     if {name for name in every if name.rsplit(".", 1)[-1] in leaves} == adapted:
         return leaves

@@ -1,7 +1,8 @@
 """LoRA on megatron-core's tensor-parallel linears: y = base(x) + B(A(dropout(x))) * alpha / r, in the layer itself.
 
 A linear gets its adapter by a class swap (`add_adapter`): it stays a ColumnParallelLinear or RowParallelLinear (the
-features that patch those classes, the schedules and the checkpoint code see the layer they know), its own weight
+features that patch those classes, the schedules and the checkpoint code see the layer they know; the adapter's
+share joins megatron's own linear output, under whatever a subclass does to it), its own weight
 keeps its name (`linear_qkv.weight`), and the factors sit beside it as `linear_qkv.lora_A.weight` /
 `linear_qkv.lora_B.weight`, the names peft gives them without its adapter name.
 
@@ -124,10 +125,22 @@ def add_adapter(layer, shape: AdapterShape, seed: int, name: str) -> None:
     tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(whole)
     mark_sequence_parallel(whole, layer)
     layer.lora_shape, layer.lora_kind = shape, kind
-    cls = type(layer)
+    layer.__class__ = _with_adapter(type(layer), kind)
+
+
+def _with_adapter(cls: type, kind: str) -> type:
+    """The class `cls` with LoRA's forward right above megatron's own linear: a subclass that scales or biases the
+    linear's output (InternViT's layer scale) then does so to the adapter's share too, as the Hugging Face module
+    around peft's wrapped linear does."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
     if cls not in _SWAPPED:
-        _SWAPPED[cls] = type(f"Lora{cls.__name__}", (LoraLinear, cls), {})
-    layer.__class__ = _SWAPPED[cls]
+        megatron = ColumnParallelLinear if kind == "column" else RowParallelLinear
+        if megatron not in _SWAPPED:
+            _SWAPPED[megatron] = type(f"Lora{megatron.__name__}", (LoraLinear, megatron), {})
+        if cls is not megatron:
+            _SWAPPED[cls] = type(f"Lora{cls.__name__}", (cls, _SWAPPED[megatron]), {})
+    return _SWAPPED[cls]
 
 
 class LoraLinear:
