@@ -88,6 +88,10 @@ def refusal_for(options) -> str | None:
     if tp == 1:
         return (f"{MAIN} overlaps tensor-parallel communication, and --tensor-model-parallel-size 1 has none: "
                 f"use --tensor-model-parallel-size 2 or more, or drop {MAIN}")
+    if getattr(options, "lora_target_modules", None):
+        return (f"{MAIN} chunks the linears' trainable path (megatron's linear_with_grad_accumulation_and_async_"
+                "allreduce), and LoRA (--lora-target-modules) freezes their weights, which megatron then runs through "
+                f"linear_with_frozen_weight, unchunked: keep one")
     if getattr(options, "tp_comm_overlap", False):
         return (f"{MAIN} and --tp-comm-overlap both overlap the tensor-parallel collectives (this one by chunks, "
                 f"that one through Transformer Engine's userbuffers): keep one")

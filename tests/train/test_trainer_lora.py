@@ -25,7 +25,13 @@ LIMIT = 2e-5
 FP32_TOLERANCE = 1e-5
 MERGE_ROUNDING = 1e-6  # float32, elementwise; measured 0.0 (bit-equal here); a product's summation order may differ
 TARGETS = ["--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-GPT = [*QUICK, "--global-batch-size", "4", "--micro-batch-size", "1", "--lr", "1e-2", "--swiglu"]
+GPT = [*QUICK, "--global-batch-size", "4", "--micro-batch-size", "1", "--lr", "1e-2", "--swiglu", "--normalization",
+       "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+# the registered features that train beside LoRA, stacked (each applies a mechanism LoRA leaves in place)
+BESIDE_LORA = ["--use-flash-attn", "--use-fused-rmsnorm", "--use-fused-rotary-pos-emb", "--use-fused-swiglu",
+               "--optimize-vocab-parallel-ce", "--recompute-activation-function", "--swap-attention"]
+OPTIMIZER_BESIDE_LORA = ["--reuse-fp32-param"]  # bf16, distributed optimizer
 ITERATIONS, SAVED = 6, 3
 
 
@@ -54,8 +60,8 @@ def test_gpt_lora_is_the_same_at_every_layout_and_resumes_at_another(gpt_base, t
     assert f"LoRA: --load {gpt_base} holds the base model" in straight.out
     assert "LoRA r 4, alpha 8: 16 linears adapted" in straight.out
     assert reference[1] != reference[ITERATIONS]  # the adapters trained
-    _, sp = _lora(tmp_path, "tp2_sp", gpt_base, "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                  "--save", str(tmp_path / "saved"), "--save-interval", str(SAVED))
+    _, sp = _lora(tmp_path, "tp2_sp", gpt_base, *TP2_SP, "--save", str(tmp_path / "saved"), "--save-interval",
+                  str(SAVED))
     _, pp = _lora(tmp_path, "pp2", gpt_base, "--pipeline-model-parallel-size", "2")
     for found in (sp, pp):
         assert sorted(found) == sorted(reference)
@@ -64,13 +70,30 @@ def test_gpt_lora_is_the_same_at_every_layout_and_resumes_at_another(gpt_base, t
     model_keys = [key for key in stored if not key.startswith("optimizer.")]
     assert model_keys and all(".lora_A." in key or ".lora_B." in key for key in model_keys), model_keys
     with extra_feature_module("broken_trainer_features"):
-        _, broken = _lora(tmp_path, "broken", gpt_base, "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                          "--test-lora-unsummed-gradients")
+        _, broken = _lora(tmp_path, "broken", gpt_base, *TP2_SP, "--test-lora-unsummed-gradients")
     assert max(relative_differences(reference, broken).values()) > 10 * LIMIT, broken
     _, resumed = _lora(tmp_path, "resumed", None, "--load", str(tmp_path / "saved"), "--load-base-model",
                        str(gpt_base), "--ckpt-step", str(SAVED), nproc=1)
     assert sorted(resumed) == list(range(SAVED + 1, ITERATIONS + 1))
     assert max(relative_differences(reference, resumed).values()) <= LIMIT, resumed
+
+
+def test_features_train_beside_lora_or_are_refused_with_it(gpt_base, tmp_path):
+    """The registered features that leave the adapters' path alone train with LoRA to LoRA's own losses (their
+    mechanisms applied: the banner names them); CoC, whose chunks ride on the trainable linears' path that LoRA's
+    frozen bases leave, is refused with it in one line."""
+    _, alone = _lora(tmp_path, "alone", gpt_base, *TP2_SP)
+    run, stacked = _lora(tmp_path, "stacked", gpt_base, *TP2_SP, *BESIDE_LORA)
+    applied = next(line for line in run.out.splitlines() if "features applied:" in line)
+    assert all(flag.removeprefix("--use-").removeprefix("--") in applied for flag in BESIDE_LORA), applied
+    assert max(relative_differences(alone, stacked).values()) <= LIMIT, stacked
+    bf16 = [*TP2_SP, "--bf16", "--use-distributed-optimizer"]
+    _, plain = _lora(tmp_path, "bf16", gpt_base, *bf16)
+    _, reused = _lora(tmp_path, "reused", gpt_base, *bf16, *OPTIMIZER_BESIDE_LORA)
+    assert max(relative_differences(plain, reused).values()) <= LIMIT, reused
+    refused = train(["--nproc-per-node", "2", *GPT, *TARGETS, *TP2_SP, "--use-coc", "--train-iters", "1"])
+    assert refused.status == 2 and len(refused.err.strip().splitlines()) == 1, refused.err
+    assert "LoRA (--lora-target-modules) freezes their weights" in refused.err
 
 
 def test_lora_refusals_are_one_line(gpt_base, tmp_path):
