@@ -100,9 +100,11 @@ def plan(mcore_dir: Path, hf_config: Path | None, layout: str | None = None):
 
 def _hf_order(name: str):
     """visual.* before model.* before lm_head, layers in numeric order (as save_pretrained groups them); the
-    OpenGVLab layout's vision_model.*, mlp1.*, language_model.* likewise."""
+    OpenGVLab layout's vision_model.*, mlp1.*, language_model.* and InternVL's vision_tower.*,
+    multi_modal_projector.*, language_model.* likewise."""
     parts = name.split(".")
-    return (["visual", "vision_model", "mlp1", "model", "language_model", "lm_head"].index(parts[0]),
+    return (["visual", "vision_model", "vision_tower", "mlp1", "multi_modal_projector", "model", "language_model",
+             "lm_head"].index(parts[0]),
             [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts[1:]])
 
 

@@ -96,8 +96,12 @@ def _built(wrapped, _instance, args, kwargs):
     expert_load.LOADS.attach(chunks, megatron_args)
     family = families.of(megatron_args)
     frozen = providers.MEMORY.get("frozen_towers")
+    params = [param for chunk in chunks for param in chunk.parameters()]
+    trainable, total = sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
     print_rank_0(f"> mm_adaptor trainer: {family.model}{family.banner(megatron_args)}; features: "
-                 f"{', '.join(applied_features()) or 'none'}" + (f"; frozen: {', '.join(frozen)}" if frozen else ""))
+                 f"{', '.join(applied_features()) or 'none'}" + (f"; frozen: {', '.join(frozen)}" if frozen else "") +
+                 f"; trainable {trainable:,} of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%) on "
+                 "this rank")
     from mm_adaptor.train.arguments import NOTES
 
     for note in NOTES:
@@ -120,10 +124,8 @@ def _lora_line(record: dict, args) -> str:
     if missing:
         raise SystemExit(f"{' '.join(missing)} (--lora-target-modules): no module of the model is named so "
                          "(outside frozen towers)")
-    trainable, total = record["trainable"], record["total"]
     return (f"LoRA r {args.lora_r}, alpha {args.lora_alpha:g}: {record['modules']} linears adapted on this rank "
-            f"({', '.join(sorted(hit))}); trainable {trainable:,} of {total:,} parameters "
-            f"({100 * trainable / max(total, 1):.2f}%)" +
+            f"({', '.join(sorted(hit))}), everything else frozen" +
             (f"; base from {args.load_base_model}" if args.load_base_model else "; base randomly initialised"))
 
 

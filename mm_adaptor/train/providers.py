@@ -95,11 +95,9 @@ def with_lora(chunk, args):
     if not lora.enabled(args):
         return chunk
     done = lora.apply(chunk, lora.settings_from_args(args), require_every_target=False)
-    record = MEMORY.setdefault("lora", {"targets_hit": set(), "modules": 0, "trainable": 0, "total": 0})
+    record = MEMORY.setdefault("lora", {"targets_hit": set(), "modules": 0})
     record["targets_hit"].update(done["lora_targets_hit"])
     record["modules"] += len(done["lora_modules"])
-    record["trainable"] += done["trainable_elements"]
-    record["total"] += done["total_elements"]
     if args.load_base_model:
         lora.load_base(chunk, args.load_base_model)
     lora.adapters_only(chunk)

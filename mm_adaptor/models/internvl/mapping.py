@@ -1,9 +1,10 @@
 """InternVL: Hugging Face names <-> the Megatron model's names, for both checkpoint layouts.
 
-- transformers-native (`model_type` "internvl"): `model.vision_tower.*`, `model.multi_modal_projector.*`,
-  `model.language_model.*`, `lm_head.weight` (what transformers 5.x saves and 4.57 holds in memory); 4.57's
-  save_pretrained writes `vision_tower.*`, `multi_modal_projector.*`, `language_model.model.*` and
-  `language_model.lm_head.weight`, accepted on input as aliases. The vision attention is q/k/v apart.
+- transformers-native (`model_type` "internvl"): `vision_tower.*`, `multi_modal_projector.*`, `language_model.model.*`
+  and `language_model.lm_head.weight`, what save_pretrained writes (4.57 and 5.x alike: 5.x reverts its in-memory
+  names on save) and the released `-hf` checkpoints hold; the in-memory names (`model.vision_tower.*`,
+  `model.multi_modal_projector.*`, `model.language_model.*`, `lm_head.weight`) are accepted on input as aliases.
+  The vision attention is q/k/v apart.
 - OpenGVLab (`model_type` "internvl_chat"): `vision_model.embeddings.*`, `vision_model.encoder.layers.N.*` (fused
   `attn.qkv`, `ls1`/`ls2`, `norm1`/`norm2`), `mlp1.{0,1,3}`, `language_model.model.*`, `language_model.lm_head`.
 
@@ -16,8 +17,9 @@ from mm_adaptor.convert.rules import Family, Rule
 from mm_adaptor.models.hf_config import config_dict
 
 LAYOUTS = ("native", "original")  # the first is what mcore-to-hf writes by default
-NATIVE_ALIASES = {"language_model.model.": "model.language_model.", "language_model.lm_head.": "lm_head.",
-                  "vision_tower.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector."}
+# in memory -> saved
+NATIVE_ALIASES = {"model.language_model.": "language_model.model.", "lm_head.": "language_model.lm_head.",
+                  "model.vision_tower.": "vision_tower.", "model.multi_modal_projector.": "multi_modal_projector."}
 
 
 def dims(config) -> dict:
@@ -46,15 +48,15 @@ def _names(layout: str) -> dict:
                 "ls1": f"{blk}ls1", "ls2": f"{blk}ls2", "norm1": f"{blk}norm1.", "norm2": f"{blk}norm2.",
                 "fc1": f"{blk}mlp.fc1.", "fc2": f"{blk}mlp.fc2.", "mm_norm": "mlp1.0.", "mm_fc1": "mlp1.1.",
                 "mm_fc2": "mlp1.3.", "llm": "language_model.model.", "lm_head": "language_model.lm_head.weight"}
-    vt, blk = "model.vision_tower.", "model.vision_tower.encoder.layer.{i}."
+    vt, blk = "vision_tower.", "vision_tower.encoder.layer.{i}."
     return {"cls": f"{vt}embeddings.cls_token", "pos": f"{vt}embeddings.position_embeddings",
             "patch": f"{vt}embeddings.patch_embeddings.projection.",
             "qkv": tuple(f"{blk}attention.{p}_proj." for p in "qkv"), "proj": f"{blk}attention.projection_layer.",
             "q_norm": f"{blk}attention.q_norm.", "k_norm": f"{blk}attention.k_norm.", "ls1": f"{blk}lambda_1",
             "ls2": f"{blk}lambda_2", "norm1": f"{blk}layernorm_before.", "norm2": f"{blk}layernorm_after.",
-            "fc1": f"{blk}mlp.fc1.", "fc2": f"{blk}mlp.fc2.", "mm_norm": "model.multi_modal_projector.layer_norm.",
-            "mm_fc1": "model.multi_modal_projector.linear_1.", "mm_fc2": "model.multi_modal_projector.linear_2.",
-            "llm": "model.language_model.", "lm_head": "lm_head.weight"}
+            "fc1": f"{blk}mlp.fc1.", "fc2": f"{blk}mlp.fc2.", "mm_norm": "multi_modal_projector.layer_norm.",
+            "mm_fc1": "multi_modal_projector.linear_1.", "mm_fc2": "multi_modal_projector.linear_2.",
+            "llm": "language_model.model.", "lm_head": "language_model.lm_head.weight"}
 
 
 def family(config, layout: str | None = None) -> Family:
@@ -115,8 +117,7 @@ def family(config, layout: str | None = None) -> Family:
 
 
 def language_rules(top: str, qkv: tuple[int, int, int], qwen3: bool) -> list[Rule]:
-    """A Qwen2 (qkv bias) or Qwen3 (q/k norm) decoder under `top` (`model.language_model.` or
-    `language_model.model.`)."""
+    """A Qwen2 (qkv bias) or Qwen3 (q/k norm) decoder under `top` (`language_model.model.`)."""
     llm, lyr = "language_model.decoder.layers.{i}.", top + "layers.{i}."
     rules = [
         Rule("language_model.embedding.word_embeddings.weight", (f"{top}embed_tokens.weight",)),
