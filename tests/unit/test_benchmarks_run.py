@@ -61,6 +61,16 @@ def test_vlm_throughput_runs_the_trainer_and_the_transformers_peer():
     assert rows[-1][-2:] == ["1.00x", "1.00x"], stdout
 
 
+def test_lora_benchmark_compares_lora_with_full_fine_tuning():
+    """Both runs train and save; LoRA's trainable share and optimizer state are below full fine-tuning's, in the
+    same ratio (both are the trainable elements)."""
+    stdout = run_script("lora.py", "--steps", "2", "--samples", "2", "--seq", "512", "--llm-layers", "1", "--r", "4")
+    header, rows = table_rows(stdout)
+    assert [row[0] for row in rows] == ["full fine-tuning", "LoRA r 4", "LoRA / full"], stdout
+    trainable, optimizer = (float(cell.rstrip("x")) for cell in rows[2][1:3])
+    assert 0 < trainable < 0.5 and abs(optimizer - trainable) < 0.01, stdout
+
+
 def test_vlm_throughput_counts_flops_per_token_and_image(monkeypatch):
     bench = load_benchmark("vlm_throughput", monkeypatch)
     hf = bench.model_config("cpu", 2)
