@@ -74,6 +74,18 @@ def argument_problems(args) -> list[str]:
     return problems
 
 
+def model_problems(args) -> list[str]:
+    """What LoRA cannot do on the model the arguments describe (its shape set): adapters on MoE experts."""
+    if not enabled(args):
+        return []
+    experts = [name for name in targets_of(args.lora_target_modules) if name in ("linear_fc1", "linear_fc2")]
+    if experts and getattr(args, "num_experts", None):
+        return [f"--lora-target-modules {' '.join(experts)}: on a mixture-of-experts model these name the experts' "
+                "linears too, whose adapters are not built yet: name the dense MLPs' alone "
+                f"({' '.join('mlp.' + name for name in experts)}), or drop them"]
+    return []
+
+
 def matches(name: str, targets) -> str | None:
     """The target a module's name matches (peft's rule: the name itself, or ending in `.target`), or None."""
     for target in targets:

@@ -180,6 +180,10 @@ def prepare(args: argparse.Namespace) -> argparse.Namespace:
     if not problems:
         problems += family.shape_megatron_args(args)
     problems += _moe_problems(args)
+    if not problems:
+        from mm_adaptor import lora
+
+        problems += lora.model_problems(args)
     missing = [f"--{name.replace('_', '-')}" for name in ("lr", "seq_length", "micro_batch_size")
                if getattr(args, name) is None]
     if missing and not problems:  # Megatron's asserts (or its optimizer, in every rank) would say it less plainly

@@ -109,6 +109,7 @@ def test_lora_refusals_are_one_line(gpt_base, tmp_path):
         (*TARGETS, "--load-base-model", str(saved)): "no whole model's checkpoint there",
         ("--load-base-model", str(gpt_base)): "LoRA is off (no --lora-target-modules)",
         (*TARGETS, "--ckpt-format", "torch"): "--ckpt-format torch: LoRA checkpoints hold the adapters alone",
+        (*TARGETS, "--num-experts", "4"): "on a mixture-of-experts model these name the experts' linears too",
     }
     for flags, said in cases.items():
         run = train(["--nproc-per-node", "1", *GPT, "--train-iters", "2", *flags])
@@ -146,7 +147,7 @@ def test_qwen2_5_vl_lora_exports_to_peft_and_back(tmp_path):
     adapted = {name.replace(".default", "") for name, _ in peft_model.named_parameters() if ".lora_" in name}
     assert adapted == set(exported) and any(".visual." in name for name in exported)
 
-    got, config, (ids, pixels, grid) = _ours_with_the_adapter(tmp_path)
+    got, greedy_ids, config, (ids, pixels, grid) = _ours_with_the_adapter(tmp_path)
     inputs = {"input_ids": ids, **with_token_types(config, ids, pixel_values=pixels, image_grid_thw=grid)}
     with torch.no_grad():
         expected = peft_model(**inputs).logits
@@ -154,6 +155,7 @@ def test_qwen2_5_vl_lora_exports_to_peft_and_back(tmp_path):
             plain = peft_model(**inputs).logits
     assert _relative(expected, plain) > 100 * FP32_TOLERANCE, "the trained adapters change the logits"
     assert _relative(got, expected) < FP32_TOLERANCE
+    assert greedy_ids == _hf_greedy(peft_model, config, ids, pixels, grid, len(greedy_ids))  # generate --lora's
 
     # broken: the two TP ranks' halves of a split factor swapped (q_proj's B, split by rows at TP2)
     key = next(name for name in exported if "language_model.layers.0.self_attn.q_proj.lora_B" in name)
@@ -192,12 +194,12 @@ def test_qwen2_5_vl_lora_exports_to_peft_and_back(tmp_path):
 
 
 def _ours_with_the_adapter(tmp_path):
-    """Logits of our Qwen2.5-VL at TP1 with the base and the TP2 save's adapters (mm-adaptor generate's loader) on a
-    prompt with an image, its config, and the prompt (ids, pixels, grid)."""
+    """Logits and 6 greedy tokens of our Qwen2.5-VL at TP1 with the base and the TP2 save's adapters (mm-adaptor
+    generate's loader and decoding) on a prompt with an image, its config, and the prompt (ids, pixels, grid)."""
     import torch
 
     from gloo_rank import one_gloo_rank
-    from mm_adaptor.cli.generate import load_model
+    from mm_adaptor.cli.generate import greedy, load_model
     from mm_adaptor.models import rope_index_for
 
     from megatron.core import tensor_parallel
@@ -212,7 +214,25 @@ def _ours_with_the_adapter(tmp_path):
         ids = torch.tensor([[1, 2, 3, start, *[config.image_token_id] * 4, start + 1, 4, 5, 6]])
         positions, _ = rope_index_for(config, ids, grid)
         with torch.no_grad():
-            return model(ids, positions, pixel_values=pixels, image_grid_thw=grid), config, (ids, pixels, grid)
+            logits = model(ids, positions, pixel_values=pixels, image_grid_thw=grid)
+        new, _ = greedy(model, config, ids, pixels, grid, max_new_tokens=6)
+        return logits, new, config, (ids, pixels, grid)
+
+
+def _hf_greedy(model, config, ids, pixels, grid, count: int) -> list[int]:
+    """The argmax of the last position, `count` times, the whole sequence run again each step (as generate's)."""
+    import torch
+
+    from hf_compat import with_token_types
+
+    new = []
+    with torch.no_grad():
+        for _ in range(count):
+            logits = model(input_ids=ids, **with_token_types(config, ids, pixel_values=pixels,
+                                                             image_grid_thw=grid)).logits
+            new.append(int(logits[0, -1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[new[-1]]])], dim=1)
+    return new
 
 
 def _relative(ours, reference):
