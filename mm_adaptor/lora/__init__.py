@@ -79,10 +79,13 @@ def model_problems(args) -> list[str]:
     if not enabled(args):
         return []
     experts = [name for name in targets_of(args.lora_target_modules) if name in ("linear_fc1", "linear_fc2")]
-    if experts and getattr(args, "num_experts", None):
-        return [f"--lora-target-modules {' '.join(experts)}: on a mixture-of-experts model these name the experts' "
-                "linears too, whose adapters are not built yet: name the dense MLPs' alone "
-                f"({' '.join('mlp.' + name for name in experts)}), or drop them"]
+    grouped = [flag for flag, dest in (("--moe-grouped-gemm", "moe_grouped_gemm"), ("--use-fused-gmm", "use_fused_gmm"))
+               if getattr(args, dest, False)]
+    if experts and getattr(args, "num_experts", None) and grouped:
+        return [f"--lora-target-modules {' '.join(experts)} with {' '.join(grouped)}: these name the experts' linears "
+                "too, whose adapters run expert by expert (megatron's SequentialMLP), where grouped GEMMs take the "
+                f"experts' weights whole: drop {' '.join(grouped)}, or name the dense MLPs' alone "
+                f"({' '.join('mlp.' + name for name in experts)})"]
     return []
 
 
@@ -113,6 +116,11 @@ def global_name(model, name: str) -> str:
             number = getattr(model.get_submodule(".".join(parts[:i + 1])), "layer_number", None)
             if number is not None:
                 parts[i] = str(number - 1)
+        elif parts[i - 1] == "local_experts" and parts[i].isdigit():  # the expert's global number
+            experts = model.get_submodule(".".join(parts[:i - 1]))
+            group = getattr(experts, "ep_group", None)
+            offset = group.rank() * experts.num_local_experts if group is not None else 0
+            parts[i] = str(offset + int(parts[i]))
     return ".".join(parts)
 
 

@@ -81,11 +81,16 @@ def lora_to_hf(mcore_dir, out, hf_config=None) -> dict:
             tensors.update(zip(rule.hf_names(layer), to_hf(rule, tensor)))
     if len(ranks) != 1:
         raise ConvertError(f"{path}: adapters of ranks {sorted(ranks)}; peft's config holds one")
+    try:
+        targets = lora_hf.peft_targets(tensors)
+    except ValueError as error:
+        raise ConvertError(str(error)) from None
+    tensors = lora_hf.fuse_experts(tensors, family.num_experts)
     out.mkdir(parents=True, exist_ok=True)
     try:
         save_file(tensors, str(out / lora_hf.WEIGHTS_NAME), metadata={"format": "pt"})
-        lora_hf.write_config(out, family, {lora_hf.module_of(name) for name in tensors}, ranks.pop(),
-                             settings["lora_alpha"], settings.get("lora_dropout", 0.0))
+        lora_hf.write_config(out, family, targets, ranks.pop(), settings["lora_alpha"],
+                             settings.get("lora_dropout", 0.0))
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
@@ -123,7 +128,7 @@ def hf_to_mcore(adapter_dir, base_dir, out) -> dict:
         raise ConvertError(f"{adapter_dir}: no {lora_hf.WEIGHTS_NAME}")
     peft_tensors = {name.replace(".default.", "."): tensor for name, tensor in load_file(str(weights)).items()}
     try:
-        tensors = lora_hf.from_peft(family, peft_tensors)
+        tensors = lora_hf.from_peft(family, peft_tensors, config.get("target_parameters"))
     except ValueError as error:
         raise ConvertError(f"{weights}: {error}") from None
     ranks = {tensor.shape[0] for name, tensor in tensors.items() if name.endswith(f"{LORA_A}.weight")}

@@ -70,8 +70,6 @@ def _kind(layer) -> str:
 def unsupported(layer) -> str | None:
     """Why this linear takes no adapter here, or None."""
     kind = _kind(layer)
-    if getattr(layer, "explicit_expert_comm", False) or getattr(layer, "is_expert", False):
-        return "it is an MoE expert's linear (expert adapters are not built yet)"
     if kind == "column" and getattr(layer, "gather_output", False):
         return "it gathers its output (a column-parallel linear with gather_output)"
     if kind == "row" and not getattr(layer, "input_is_parallel", True):
@@ -91,8 +89,14 @@ def initial_a(rows: int, columns: int, seed: int, name: str) -> torch.Tensor:
 
 def mark_sequence_parallel(whole: torch.Tensor, layer) -> None:
     """Under sequence parallelism a factor every rank holds whole gets a gradient from the rank's tokens alone:
-    megatron sums such parameters' gradients over the tensor-parallel ranks (finalize_model_grads)."""
-    whole.sequence_parallel = bool(layer.sequence_parallel)
+    megatron sums such parameters' gradients over the tensor-parallel ranks (finalize_model_grads). An expert's
+    linear sees every token of its expert-TP group (the dispatcher gathers them): not so."""
+    whole.sequence_parallel = bool(layer.sequence_parallel) and not _expert_comm(layer)
+
+
+def _expert_comm(layer) -> bool:
+    """An MoE expert's linear whose communication the token dispatcher does (megatron's explicit_expert_comm)."""
+    return bool(getattr(layer, "explicit_expert_comm", False))
 
 
 _SWAPPED: dict[type, type] = {}
@@ -124,6 +128,8 @@ def add_adapter(layer, shape: AdapterShape, seed: int, name: str) -> None:
     tensor_parallel.set_tensor_model_parallel_attributes(split, True, 0 if kind == "column" else 1, 1)
     tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(whole)
     mark_sequence_parallel(whole, layer)
+    for factor in (split, whole):  # an expert's: in the expert-data-parallel gradient buffers, as its weight
+        factor.allreduce = getattr(base, "allreduce", True)
     layer.lora_shape, layer.lora_kind = shape, kind
     layer.__class__ = _with_adapter(type(layer), kind)
 
@@ -158,6 +164,8 @@ class LoraLinear:
 
         shape, group = self.lora_shape, self.tp_group
         x = self._lora_dropout(x)
+        if _expert_comm(self):
+            return self._expert_lora_delta(x, mappings)
         h = F.linear(x, self.lora_A.weight)
         if self.lora_kind == "column":
             if self.sequence_parallel:
@@ -169,6 +177,19 @@ class LoraLinear:
         else:
             h = mappings.reduce_from_tensor_model_parallel_region(h, group=group)
         return F.linear(h, self.lora_B.weight) * shape.scaling
+
+    def _expert_lora_delta(self, x: torch.Tensor, mappings) -> torch.Tensor:
+        """An expert's share, without communication, as its base: the dispatcher gives every rank of the expert-TP
+        group the same tokens and sums their outputs (and their input gradients). The factor each of them holds
+        whole then gets a gradient from its own part of the product: summed over the group (all-reduced in
+        backward, copy_to's), so that the copies stay one."""
+        a, b = self.lora_A.weight, self.lora_B.weight
+        if self.tp_group is not None and self.tp_group.size() > 1:
+            if self.lora_kind == "column":
+                a = mappings.copy_to_tensor_model_parallel_region(a, group=self.tp_group)
+            else:
+                b = mappings.copy_to_tensor_model_parallel_region(b, group=self.tp_group)
+        return F.linear(F.linear(x, a), b) * self.lora_shape.scaling
 
     def _lora_dropout(self, x: torch.Tensor) -> torch.Tensor:
         p = self.lora_shape.dropout
@@ -194,8 +215,20 @@ class LoraLinear:
         entry = make_tp_sharded_tensor_for_checkpoint(getattr(self, name).weight, key, axis,
                                                       prepend_offsets=sharded_offsets, **groups)
         if self.lora_shape.gated:
-            from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-
-            entry = apply_swiglu_sharded_factory(entry, sharded_offsets)
+            entry = _swiglu_entry(entry, sharded_offsets, metadata, self.tp_group)
         entries[key] = entry
         return entries
+
+
+def _swiglu_entry(entry, sharded_offsets, metadata, tp_group):
+    """megatron's gated-fc1 checkpoint entry ([gate; up], each split over the linear's group) for a factor, with the
+    arguments the installed release's apply_swiglu_sharded_factory takes (0.19 names the groups: an expert's)."""
+    import inspect
+
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    taken = inspect.signature(apply_swiglu_sharded_factory).parameters
+    options = {"singleton_local_shards": (metadata or {}).get("singleton_local_shards", False)}
+    if "tp_group" in taken:
+        options.update(tp_group=tp_group, dp_group=(metadata or {}).get("dp_cp_group"))
+    return apply_swiglu_sharded_factory(entry, sharded_offsets, **options)

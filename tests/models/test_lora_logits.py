@@ -1,11 +1,14 @@
 """LoRA on our Megatron models equals peft's LoRA on transformers' model, with the same base and adapter (TP 1, one
 process), for Qwen2.5-VL, Qwen3-VL and InternVL: the adapter goes out under peft's keys (mm_adaptor.lora.hf), peft's
-own loader takes it strictly (every key ours, every module it wrapped ours), and it comes back bit for bit.
+own loader takes it strictly (every key ours, every module it wrapped ours), and it comes back bit for bit. On
+Qwen3-VL-MoE every expert carries its own adapter, which peft holds as adapters of transformers' fused experts
+parameters (target_parameters: A [E r, in], B [out, E r] with expert e's columns e, e + E, ...).
 
 Every linear of both towers and the projector carries an adapter (B drawn at 0.05, so that the adapters move the
-logits by 0.8 to 1.1 relative). Measured, fp32, relative error max |ours - peft| / max |peft| on a prompt with an
-image: Qwen2.5-VL 5.3e-7, Qwen3-VL 5.0e-7, InternVL 2.2e-7 (transformers 5.24, peft 0.21.2); tolerance
-FP32_TOLERANCE, the families' logit tests'. Broken variant: alpha / r off by 2x (0.64 to 0.72)."""
+logits by 0.7 to 1.1 relative). Measured, fp32, relative error max |ours - peft| / max |peft| on a prompt with an
+image: Qwen2.5-VL 5.3e-7, Qwen3-VL 5.0e-7, Qwen3-VL-MoE 5.8e-7, InternVL 2.2e-7 (transformers 5.24, peft 0.21.2);
+tolerance FP32_TOLERANCE, the families' logit tests'. Broken variants: alpha / r off by 2x (0.64 to 0.80); experts 0
+and 1 exchanging adapters (0.12)."""
 
 import copy
 
@@ -45,12 +48,12 @@ def qwen2_5_vl():
             lambda model: model(**ref.hf_inputs(config, ids, pixel_values=pixels, image_grid_thw=grid)).logits)
 
 
-def qwen3_vl():
+def qwen3_vl(moe: bool = False):
     import qwen3_reference as ref
 
     from mm_adaptor.models.qwen3_vl import model_provider, tiny_config, tiny_hf_config_dict
 
-    config = tiny_config()
+    config = tiny_config(moe=moe)
     hf = ref.hf_model(config)
     ours = model_provider(config).eval()
     ref.load_hf_weights(ours, hf.state_dict(), config)
@@ -78,7 +81,8 @@ def internvl():
             lambda model: ref.hf_logits(model, ids, pixels))
 
 
-FAMILIES = {"qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl, "internvl": internvl}
+FAMILIES = {"qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl, "qwen3_vl_moe": lambda: qwen3_vl(moe=True),
+            "internvl": internvl}
 
 
 @pytest.fixture(scope="module")
@@ -111,12 +115,13 @@ def peft_model(case, tmp_path, alpha=ALPHA):
     from peft import PeftModel
     from safetensors.torch import save_file
 
-    tensors = lora_hf.to_peft(case["family"], case["adapters"])
+    per_expert = lora_hf.per_expert_peft(case["family"], case["adapters"])
+    tensors = lora_hf.fuse_experts(per_expert, case["family"].num_experts)
     out = tmp_path / f"adapter-{alpha}"
     out.mkdir()
     save_file(tensors, str(out / lora_hf.WEIGHTS_NAME))
-    lora_hf.write_config(out, case["family"], {lora_hf.module_of(k) for k in tensors}, R, alpha, 0.0)
-    return PeftModel.from_pretrained(copy.deepcopy(case["hf"]), str(out)).eval(), tensors
+    lora_hf.write_config(out, case["family"], lora_hf.peft_targets(per_expert), R, alpha, 0.0)
+    return PeftModel.from_pretrained(copy.deepcopy(case["hf"]), str(out)).eval(), tensors, per_expert
 
 
 def test_only_adapters_train(case):
@@ -129,7 +134,7 @@ def test_only_adapters_train(case):
 
 
 def test_logits_equal_peft_on_transformers(case, tmp_path):
-    model, tensors = peft_model(case, tmp_path)
+    model, tensors, per_expert = peft_model(case, tmp_path)
     wrapped = {k.replace(".default", "") for k, _ in model.named_parameters() if ".lora_" in k}
     assert wrapped == set(tensors)
     with torch.no_grad():
@@ -137,13 +142,27 @@ def test_logits_equal_peft_on_transformers(case, tmp_path):
         plain = case["hf_logits"](case["hf"])
     assert relative_error(expected, plain) > 1e4 * FP32_TOLERANCE  # the adapters move the logits
     assert relative_error(case["logits"], expected) < FP32_TOLERANCE
-    back = lora_hf.from_peft(case["family"], tensors)
+    back = lora_hf.from_peft(case["family"], tensors, lora_hf.peft_targets(per_expert)[1])
     assert back.keys() == case["adapters"].keys()
     assert all(torch.equal(back[key], case["adapters"][key]) for key in back)
 
 
 def test_wrong_scaling_is_rejected(case, tmp_path):
-    model, _ = peft_model(case, tmp_path, alpha=2 * ALPHA)
+    model, _, _ = peft_model(case, tmp_path, alpha=2 * ALPHA)
     with torch.no_grad():
         expected = case["hf_logits"](model)
     assert relative_error(case["logits"], expected) > 1e4 * FP32_TOLERANCE
+
+
+def test_an_experts_adapter_on_its_neighbour_is_rejected(case, tmp_path):
+    """Experts 0 and 1 of every MoE layer exchange adapters: peft's logits move off ours."""
+    import re
+
+    if not case["family"].num_experts:
+        pytest.skip("no experts")
+    swapped = {re.sub(r"local_experts\.([01])\.", lambda m: f"local_experts.{1 - int(m[1])}.", key): tensor
+               for key, tensor in case["adapters"].items()}
+    model, _, _ = peft_model({**case, "adapters": swapped}, tmp_path)
+    with torch.no_grad():
+        expected = case["hf_logits"](model)
+    assert relative_error(case["logits"], expected) > 100 * FP32_TOLERANCE
