@@ -97,6 +97,10 @@ def megatron_rank():
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def case(request, megatron_rank):
+    from mm_adaptor.convert import installed_transformers_major
+
+    if request.param == "qwen3_vl_moe" and installed_transformers_major() < 5:
+        pytest.skip("expert adapters go to peft's format for transformers 5's fused experts (4.x is refused)")
     ours, hf, hf_config, ours_logits, hf_logits = FAMILIES[request.param]()
     done = apply(ours, Settings(targets=TARGETS, r=R, alpha=ALPHA))
     generator = torch.Generator().manual_seed(3)

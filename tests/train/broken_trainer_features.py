@@ -43,3 +43,22 @@ class LoraGradientsNotSummed(Feature):
         ps = PatchSet(self.name)
         ps.replace("mm_adaptor.lora.layers.mark_sequence_parallel", lambda whole, layer: None)
         return [ps]
+
+
+def _expert_delta_without_summed_gradients(self, x, mappings):
+    import torch.nn.functional as F
+
+    return F.linear(F.linear(x, self.lora_A.weight), self.lora_B.weight) * self.lora_shape.scaling
+
+
+@register
+class LoraExpertGradientsNotSummed(Feature):
+    name = "test-lora-unsummed-expert-gradients"
+    description = "a broken LoRA whose experts' whole factors' gradients are not summed over the expert-TP ranks"
+    flags = (Flag("--test-lora-unsummed-expert-gradients", description),)
+    tolerance = BIT_FOR_BIT
+
+    def patch_sets(self, options):
+        ps = PatchSet(self.name)
+        ps.replace("mm_adaptor.lora.layers.LoraLinear._expert_lora_delta", _expert_delta_without_summed_gradients)
+        return [ps]

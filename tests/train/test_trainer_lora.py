@@ -109,7 +109,8 @@ def test_lora_refusals_are_one_line(gpt_base, tmp_path):
         (*TARGETS, "--load-base-model", str(saved)): "no whole model's checkpoint there",
         ("--load-base-model", str(gpt_base)): "LoRA is off (no --lora-target-modules)",
         (*TARGETS, "--ckpt-format", "torch"): "--ckpt-format torch: LoRA checkpoints hold the adapters alone",
-        (*TARGETS, "--num-experts", "4"): "on a mixture-of-experts model these name the experts' linears too",
+        (*TARGETS, "--num-experts", "4", "--moe-grouped-gemm", "--use-fused-gmm"):
+            "whose adapters run expert by expert (megatron's SequentialMLP)",
     }
     for flags, said in cases.items():
         run = train(["--nproc-per-node", "1", *GPT, "--train-iters", "2", *flags])
@@ -191,6 +192,74 @@ def test_qwen2_5_vl_lora_exports_to_peft_and_back(tmp_path):
     assert keys == sorted(back.tensors())
     for key in keys:
         assert torch.equal(saved.read(key), back.read(key)), key
+
+
+MOE = ["--model", "qwen3_vl_moe-tiny", *QUICK, "--global-batch-size", "4", "--micro-batch-size", "1", "--lr", "1e-2",
+       "--moe-token-dispatcher-type", "alltoall"]
+EP2_ETP2 = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size",
+            "2", "--sequence-parallel"]
+
+
+def test_expert_adapters_train_alike_at_ep2_x_etp2_and_export_to_peft(tmp_path):
+    """Qwen3-VL-MoE with adapters on every expert (and attention): the same losses at EP1 and at EP2 x expert-TP2
+    with sequence parallelism (4 ranks); broken variant: the expert factors' gradients not summed over the
+    expert-TP group. The EP2 x ETP2 save exports to peft's adapters of transformers' fused experts, which give our
+    model's logits."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from mm_adaptor.cli import main
+
+    base = train(["--nproc-per-node", "1", *MOE, "--train-iters", "1", "--save", str(tmp_path / "base"),
+                  "--save-interval", "1"])
+    assert base.status == 0, base.err[-3000:]
+    lora = [*MOE, *TARGETS, "--lora-r", "4", "--lora-alpha", "8", "--train-iters", "3", "--load",
+            str(tmp_path / "base")]
+    runs = {}
+    for name, nproc, extra in (("ep1", 1, []), ("ep2_etp2", 4, [*EP2_ETP2, "--save", str(tmp_path / "saved"),
+                                                                 "--save-interval", "3"])):
+        run = train(["--nproc-per-node", str(nproc), *lora, *extra, "--tensorboard-dir", str(tmp_path / name)])
+        assert run.status == 0, run.err[-3000:]
+        runs[name] = scalars(tmp_path / name)
+    assert max(relative_differences(runs["ep1"], runs["ep2_etp2"]).values()) <= LIMIT, runs
+    with extra_feature_module("broken_trainer_features"):
+        broken = train(["--nproc-per-node", "4", *lora, *EP2_ETP2, "--test-lora-unsummed-expert-gradients",
+                        "--tensorboard-dir", str(tmp_path / "broken")])
+    assert broken.status == 0, broken.err[-3000:]
+    assert max(relative_differences(runs["ep1"], scalars(tmp_path / "broken")).values()) > 10 * LIMIT
+
+    assert main(["convert", "mcore-to-hf", str(tmp_path / "base"), str(tmp_path / "hf")]) == 0
+    assert main(["convert", "lora-to-hf", str(tmp_path / "saved"), str(tmp_path / "adapter")]) == 0
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForImageTextToText.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32),
+        str(tmp_path / "adapter")).eval()
+    wrapped = {name.replace(".default", "") for name, _ in peft_model.named_parameters() if ".lora_" in name}
+    assert any(".experts.base_layer.lora_A" in name for name in wrapped)
+    got, config, ids = _ours_on_text(tmp_path)
+    from hf_compat import with_token_types
+
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids, **with_token_types(config, ids)).logits
+    assert _relative(got, expected) < FP32_TOLERANCE
+
+
+def _ours_on_text(tmp_path):
+    """Logits of our Qwen3-VL-MoE at EP1 with the base and the EP2 x ETP2 save's adapters on a text prompt."""
+    import torch
+    from megatron.core import tensor_parallel
+
+    from gloo_rank import one_gloo_rank
+    from mm_adaptor.cli.generate import load_model
+    from mm_adaptor.models import rope_index_for
+
+    with one_gloo_rank():
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        model, config = load_model(str(tmp_path / "base"), str(tmp_path / "saved"))
+        ids = torch.tensor([[5, 17, 3, 9, 44, 2, 8, 31, 12, 6]])
+        positions, _ = rope_index_for(config, ids, None)
+        with torch.no_grad():
+            return model(ids, positions), config, ids
 
 
 def _ours_with_the_adapter(tmp_path):
