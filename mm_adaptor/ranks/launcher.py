@@ -290,7 +290,9 @@ def _launch_once(fn, args, nproc, timeout, threads_per_rank, nodes, port, signal
         if passed_on:  # a rank that had not yet taken over SIGTERM was stopped by it
             raise Interrupted(signals[0], *watch.furthest())
         rank, summary, tb = failed
-        raise LaunchError(f"rank {rank} failed: {summary}\n--- traceback of rank {rank} ---\n{tb}")
+        error = LaunchError(f"rank {rank} failed: {summary}\n--- traceback of rank {rank} ---\n{tb}")
+        error.summary = summary  # "<exception type>: <message>"
+        raise error
     return signals[0] if passed_on else None
 
 

@@ -170,6 +170,9 @@ def main(argv=None) -> int:
         print(f"{PROG}: {exc}{_last_checkpoint(args.save)}", file=sys.stderr)
         return exc.exit_status
     except LaunchError as exc:
+        refused = getattr(exc, "summary", "")
+        if refused.startswith(f"{UsageError.__name__}: "):  # what only the built model shows (a rank's UsageError)
+            return _fail(refused[len(UsageError.__name__) + 2:].splitlines())
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
     if stopped:

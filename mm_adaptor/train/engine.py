@@ -122,8 +122,10 @@ def _lora_line(record: dict, args) -> str:
     hit = set().union(*(one["targets_hit"] for one in gathered))
     missing = [target for target in lora.targets_of(args.lora_target_modules) if target not in hit]
     if missing:
-        raise SystemExit(f"{' '.join(missing)} (--lora-target-modules): no module of the model is named so "
-                         "(outside frozen towers)")
+        from mm_adaptor.train.arguments import UsageError
+
+        raise UsageError(f"--lora-target-modules {' '.join(missing)}: no module of the model is named so (outside "
+                         "frozen towers)")
     return (f"LoRA r {args.lora_r}, alpha {args.lora_alpha:g}: {record['modules']} linears adapted on this rank "
             f"({', '.join(sorted(hit))}), everything else frozen" +
             (f"; base from {args.load_base_model}" if args.load_base_model else "; base randomly initialised"))

@@ -94,7 +94,12 @@ def with_lora(chunk, args):
 
     if not lora.enabled(args):
         return chunk
-    done = lora.apply(chunk, lora.settings_from_args(args), require_every_target=False)
+    try:
+        done = lora.apply(chunk, lora.settings_from_args(args), require_every_target=False)
+    except ValueError as exc:  # a target the built model cannot take: one line from the launcher
+        from mm_adaptor.train.arguments import UsageError
+
+        raise UsageError(str(exc)) from None
     record = MEMORY.setdefault("lora", {"targets_hit": set(), "modules": 0})
     record["targets_hit"].update(done["lora_targets_hit"])
     record["modules"] += len(done["lora_modules"])

@@ -115,6 +115,11 @@ def test_lora_refusals_are_one_line(gpt_base, tmp_path):
     for flags, said in cases.items():
         run = train(["--nproc-per-node", "1", *GPT, "--train-iters", "2", *flags])
         assert run.status == 2 and len(run.err.strip().splitlines()) == 1 and said in run.err, (flags, run.err)
+    # what only the built model shows: refused by the ranks once built, one line from the launcher
+    run = train(["--nproc-per-node", "1", *GPT, "--train-iters", "2", "--lora-target-modules", "linear_qkvv"])
+    assert run.status == 2 and "Traceback" not in run.err, run.err
+    assert run.err.strip().splitlines()[-1] == ("mm-adaptor train: error: --lora-target-modules linear_qkvv: no "
+                                                "module of the model is named so (outside frozen towers)"), run.err
 
 
 def test_qwen2_5_vl_lora_exports_to_peft_and_back(tmp_path):
@@ -202,9 +207,9 @@ EP2_ETP2 = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size",
 
 def test_expert_adapters_train_alike_at_ep2_x_etp2_and_export_to_peft(tmp_path):
     """Qwen3-VL-MoE with adapters on every expert (and attention): the same losses at EP1, EP2 and EP2 x expert-TP2
-    with sequence parallelism (4 ranks; measured 0 to 8.6e-8 relative); broken variant (2.4e-4): the expert factors' gradients not summed over the
-    expert-TP group. The EP2 x ETP2 save exports to peft's adapters of transformers' fused experts, which give our
-    model's logits."""
+    with sequence parallelism (4 ranks; measured 0 to 8.6e-8 relative); broken variant (2.4e-4): the expert factors'
+    gradients not summed over the expert-TP group. The EP2 x ETP2 save exports to peft's adapters of transformers'
+    fused experts, which give our model's logits."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
