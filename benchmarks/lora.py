@@ -17,7 +17,6 @@ steps after the first, and the ratios of LoRA to full fine-tuning.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -27,7 +26,7 @@ import tempfile
 
 from _common import ITERATION_FIELD, device_name, package_version
 from vlm_packing import make_data
-from vlm_throughput import CPU_MIX, MIX, model_config
+from vlm_throughput import CPU_MIX, MIX, model_config, run_arguments, sized
 
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 TRAINABLE = re.compile(r"trainable ([\d,]+) of ([\d,]+) parameters")
@@ -71,19 +70,9 @@ def run(opts, folder: str, name: str, extra: list[str]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu")
-    parser.add_argument("--seq", type=int, default=None, help="pack length (default 4096 on a device, 1024 on the CPU)")
-    parser.add_argument("--samples", type=int, default=None, help="samples per step (default 64 on a device, 16 on "
-                                                                  "the CPU)")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--llm-layers", type=int, default=None, help="language layers (default: the model's, 4 on "
-                                                                     "the CPU)")
+    parser = run_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--r", type=int, default=16, help="the adapters' rank (alpha 2r, MindSpeed-MM's advice)")
-    parser.add_argument("--seed", type=int, default=1234)
-    opts = parser.parse_args()
-    opts.seq = opts.seq or (1024 if opts.device == "cpu" else 4096)
-    opts.samples = opts.samples or (16 if opts.device == "cpu" else 64)
+    opts = sized(parser.parse_args())
     hf = model_config(opts.device, opts.llm_layers)
     lora = ["--lora-target-modules", *TARGETS, "--lora-r", str(opts.r), "--lora-alpha", str(2 * opts.r)]
     with tempfile.TemporaryDirectory() as folder:

@@ -145,8 +145,9 @@ def timed_samples(opts) -> list[tuple[int, list]]:
     return [(report.samples[i].length, [tuple(g) for g in report.samples[i].grids]) for i in chosen]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_arguments(description: str) -> argparse.ArgumentParser:
+    """The model and run sizes of the trainer benchmarks on this model (this one, lora.py)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", choices=["cpu", "cuda", "npu"], default="cpu")
     parser.add_argument("--seq", type=int, default=None, help="pack length (default 4096 on a device, 1024 on the CPU)")
     parser.add_argument("--samples", type=int, default=None, help="samples per step (default 64 on a device, 16 on "
@@ -155,12 +156,22 @@ def main() -> None:
     parser.add_argument("--llm-layers", type=int, default=None, help="language layers (default: the model's, 4 on "
                                                                      "the CPU)")
     parser.add_argument("--seed", type=int, default=1234)
+    return parser
+
+
+def sized(opts):
+    """The device's default sizes where none were given."""
+    opts.seq = opts.seq or (1024 if opts.device == "cpu" else 4096)
+    opts.samples = opts.samples or (16 if opts.device == "cpu" else 64)
+    return opts
+
+
+def main() -> None:
+    parser = run_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--peer-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
-    opts = parser.parse_args()
-    opts.seq = opts.seq or (1024 if opts.device == "cpu" else 4096)
-    opts.samples = opts.samples or (16 if opts.device == "cpu" else 64)
+    opts = sized(parser.parse_args())
     if opts.peer_worker:
         print("PEER " + json.dumps(peer(opts)), flush=True)
         return

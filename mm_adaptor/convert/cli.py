@@ -44,9 +44,7 @@ def _mcore_to_hf_parser() -> ArgumentParser:
                                         "experts fused in the installed transformers' layout.")
     parser.add_argument("mcore_dir", metavar="MCORE_DIR", help="written by hf-to-mcore (or a training run's --save)")
     parser.add_argument("hf_dir", metavar="HF_DIR", help="an empty or new directory")
-    parser.add_argument("--hf-config", default=None,
-                        help="the HF config.json (default MCORE_DIR/hf/config.json, which hf-to-mcore wrote)")
-    parser.add_argument("--max-shard-size-gb", type=float, default=5.0, help="largest output shard (default 5)")
+    _hf_output_arguments(parser, "the HF config.json (default MCORE_DIR/hf/config.json, which hf-to-mcore wrote)")
     parser.add_argument("--layout", choices=["native", "original"], default=None,
                         help="InternVL only: native (transformers' InternVLForConditionalGeneration, the default) or "
                              "original (OpenGVLab's InternVLChatModel)")
@@ -73,10 +71,15 @@ def _merge_lora_parser() -> ArgumentParser:
     parser.add_argument("hf_dir", metavar="OUT", help="an empty or new directory")
     parser.add_argument("--base", default=None, metavar="BASE_DIR",
                         help="the base model's Megatron checkpoint (default: the run's --load-base-model)")
-    parser.add_argument("--hf-config", default=None,
-                        help="the base model's config.json (default LORA_DIR/hf/config.json, which the run wrote)")
-    parser.add_argument("--max-shard-size-gb", type=float, default=5.0, help="largest output shard (default 5)")
+    _hf_output_arguments(parser, "the base model's config.json (default LORA_DIR/hf/config.json, which the run "
+                                 "wrote)")
     return parser
+
+
+def _hf_output_arguments(parser, config_help: str) -> None:
+    """The flags of a command that writes a whole HF checkpoint: its config and its shard size."""
+    parser.add_argument("--hf-config", default=None, help=config_help)
+    parser.add_argument("--max-shard-size-gb", type=float, default=5.0, help="largest output shard (default 5)")
 
 
 COMMANDS = {"hf-to-mcore": _hf_to_mcore_parser, "mcore-to-hf": _mcore_to_hf_parser, "lora-to-hf": _lora_to_hf_parser,
