@@ -160,10 +160,41 @@ def apply(model, settings: Settings, require_every_target: bool = True) -> dict:
     for name, module in chosen.items():
         shape = AdapterShape(settings.r, settings.alpha, settings.dropout, gated_fc1(model, name))
         add_adapter(module, shape, settings.seed, global_name(model, name))
+    recomputed_blocks_take_gradients(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     return {"lora_modules": sorted(chosen), "lora_targets_hit": sorted(hit), "trainable_elements": trainable,
             "total_elements": total}
+
+
+def recomputed_blocks_take_gradients(model) -> int:
+    """Megatron's full recompute runs each layer group through a reentrant checkpoint, whose output needs a
+    gradient only when an input does: behind a frozen embedding (or patch embedding) no input does, and the
+    adapters inside would get no gradient at all. A block that recomputes fully gets hidden states that need one
+    (MindSpeed-MM's --lora-register-forward-hook does the same on the embeddings). Returns the blocks hooked."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    hooked = 0
+    for module in model.modules():
+        if isinstance(module, TransformerBlock) and getattr(module.config, "recompute_granularity", None) == "full":
+            module.register_forward_pre_hook(_hidden_states_take_gradients, with_kwargs=True)
+            hooked += 1
+    return hooked
+
+
+def _hidden_states_take_gradients(_module, args, kwargs):
+    import torch
+
+    def needing(tensor):
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not tensor.requires_grad:
+            return tensor.detach().requires_grad_(True)
+        return tensor
+
+    if args:
+        return (needing(args[0]), *args[1:]), kwargs
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": needing(kwargs["hidden_states"])}
+    return None
 
 
 def adapters_only(model) -> None:

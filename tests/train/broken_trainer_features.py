@@ -62,3 +62,16 @@ class LoraExpertGradientsNotSummed(Feature):
         ps = PatchSet(self.name)
         ps.replace("mm_adaptor.lora.layers.LoraLinear._expert_lora_delta", _expert_delta_without_summed_gradients)
         return [ps]
+
+
+@register
+class LoraRecomputeWithoutGradients(Feature):
+    name = "test-lora-recompute-no-grad"
+    description = "a broken LoRA whose fully recomputed blocks take hidden states without a gradient"
+    flags = (Flag("--test-lora-recompute-no-grad", description),)
+    tolerance = BIT_FOR_BIT
+
+    def patch_sets(self, options):
+        ps = PatchSet(self.name)
+        ps.replace("mm_adaptor.lora.recomputed_blocks_take_gradients", lambda model: 0)
+        return [ps]

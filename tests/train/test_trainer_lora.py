@@ -5,6 +5,8 @@ checkpoint, the adapters trained, saved alone and resumed at another layout, and
   factors and their gradients are whole-model ones), and a TP2 save resumes at TP1 where the straight run went on.
   Measured (CPU, fp32): 0 to 2e-7 relative between layouts and on the resume; LIMIT as for the trainer's other
   layout changes. Broken variant: the whole factors' gradients not summed over the sequence-parallel ranks (3e-3).
+  Full activation recompute gives the same losses (0); broken variant: the recomputed blocks' hidden states left
+  without a gradient behind the frozen embedding, so that the reentrant checkpoint hands the adapters none (4e-2).
 - Qwen2.5-VL converted from HF: LoRA on both towers at TP2 + SP, its save exported with `convert lora-to-hf`; peft
   loads it on transformers' model and gives our model's logits (fp32: 2.1e-7 relative; FP32_TOLERANCE as the
   family's logit test); the adapter converted back is the save's, bit for bit; `convert merge-lora` writes peft's
@@ -71,6 +73,13 @@ def test_gpt_lora_is_the_same_at_every_layout_and_resumes_at_another(gpt_base, t
     assert model_keys and all(".lora_A." in key or ".lora_B." in key for key in model_keys), model_keys
     with extra_feature_module("broken_trainer_features"):
         _, broken = _lora(tmp_path, "broken", gpt_base, *TP2_SP, "--test-lora-unsummed-gradients")
+    assert max(relative_differences(reference, broken).values()) > 10 * LIMIT, broken
+    full_recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    _, found = _lora(tmp_path, "recomputed", gpt_base, *full_recompute, nproc=1)
+    assert max(relative_differences(reference, found).values()) <= LIMIT, found
+    with extra_feature_module("broken_trainer_features"):
+        _, broken = _lora(tmp_path, "recomputed_broken", gpt_base, *full_recompute, "--test-lora-recompute-no-grad",
+                          nproc=1)
     assert max(relative_differences(reference, broken).values()) > 10 * LIMIT, broken
     _, resumed = _lora(tmp_path, "resumed", None, "--load", str(tmp_path / "saved"), "--load-base-model",
                        str(gpt_base), "--ckpt-step", str(SAVED), nproc=1)
