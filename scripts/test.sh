@@ -25,7 +25,7 @@ done
 #   the command lines refused before torch is imported
 BASE_LEG=(tests/unit tests/distributed/test_every_feature_on_installed_megatron.py tests/npu/test_npu_process_groups.py
           tests/models/test_qwen2_5_vl_logits.py tests/models/test_qwen3_vl_logits.py tests/models/test_qwen3_vl_positions.py
-          tests/convert/test_config_spellings.py tests/models/test_internvl_logits.py
+          tests/convert/test_config_spellings.py tests/models/test_internvl_logits.py tests/models/test_lora_logits.py
           --ignore=tests/unit/test_benchmarks_run.py --ignore=tests/unit/test_rank_start.py
           --ignore=tests/unit/test_launcher_and_args.py --ignore=tests/unit/test_rank_exit.py
           --ignore=tests/unit/test_command_line_errors.py)
