@@ -54,7 +54,9 @@ def settings_from_args(args) -> Settings:
 def argument_problems(args) -> list[str]:
     """The LoRA flags' problems before anything is built (one line each)."""
     if not enabled(args):
-        given = [flag for flag, dest in (("--load-base-model", "load_base_model"),) if getattr(args, dest, None)]
+        given = [flag for flag, dest in (("--load-base-model", "load_base_model"),
+                                         ("--lora-register-forward-hook", "lora_register_forward_hook"))
+                 if getattr(args, dest, None) is not None]
         return [f"{', '.join(given)}: LoRA is off (no --lora-target-modules): drop it or name the targets"] if given \
             else []
     problems = []

@@ -142,7 +142,7 @@ def hf_to_mcore(adapter_dir, base_dir, out) -> dict:
             if name in tensors:
                 key, offsets, totals = chosen.placement(rule, layer)
                 placements.append((key, tensors[name].contiguous(), offsets, totals))
-    targets = sorted({name.rsplit(".", 3)[0].rsplit(".", 1)[-1] for name in tensors})
+    targets = sorted({name.rsplit(".", 2)[0].rsplit(".", 1)[-1] for name in tensors})  # linear_qkv, ...
     lora = {"lora_target_modules": targets, "lora_r": config["r"], "lora_alpha": float(config["lora_alpha"]),
             "lora_dropout": float(config.get("lora_dropout") or 0.0)}
     out.mkdir(parents=True, exist_ok=True)

@@ -136,6 +136,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     lora.add("--lora-r", type=int, default=8, help="the adapters' rank (default 8)")
     lora.add("--lora-alpha", type=float, default=16.0, help="scaling alpha / r (default 16)")
     lora.add("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default 0)")
+    lora.add("--lora-register-forward-hook", nargs="*", default=None, metavar="MODULE",
+             help="MindSpeed-MM's hooks that make these modules' outputs need gradients under full recompute; taken "
+                  "and not needed here: a LoRA run's fully recomputed blocks take hidden states that need them")
     lora.add("--load-base-model", default=None, metavar="DIR",
              help="the base model's checkpoint (converted, or a full training save) when --load holds the "
                   "adapters of a LoRA run to resume; on a first run --load may hold the base instead")
@@ -267,6 +270,9 @@ def _lora_problems(args, family) -> list[str]:
     problems = lora.argument_problems(args)
     if problems or not lora.enabled(args):
         return problems
+    if args.lora_register_forward_hook is not None:
+        NOTES.append("LoRA: --lora-register-forward-hook is not needed here (a LoRA run's fully recomputed blocks take "
+                     "hidden states that need gradients): it has no effect")
     if args.load_base_model:
         if checkpoint_kind(args.load_base_model) != "base":
             return [f"--load-base-model {args.load_base_model}: no whole model's checkpoint there (converted with "
