@@ -23,7 +23,7 @@ from mm_adaptor.train import vlm_data
 PROG = "mm-adaptor train"
 TRAINER_GROUP = "mm_adaptor trainer (not Megatron-LM's)"
 LAUNCH_GROUP = "mm_adaptor trainer: local ranks without torchrun (not Megatron-LM's)"
-LORA_GROUP = "LoRA fine-tuning (MindSpeed-MM's flags)"
+LORA_GROUP = "mm_adaptor trainer: LoRA fine-tuning (MindSpeed-MM's flags, not Megatron-LM's)"
 
 # What prepare() says about the command (one line each; the ranks print them on rank 0). Not on Megatron's
 # arguments: it prints them all in its table and pickles them into every checkpoint.

@@ -29,7 +29,9 @@ def test_train_prints_megatron_s_lines_and_no_warning_text():
                 "--train-iters", "2", "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1", *TINY)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert "> mm_adaptor trainer: gpt; features: none" in lines, done.stdout[-3000:]
+    banner = [line for line in lines if line.startswith("> mm_adaptor trainer: gpt; features: none; ")]
+    assert banner == ["> mm_adaptor trainer: gpt; features: none; trainable 19,104 of 19,104 parameters (100.00%) "
+                      "on this rank"], done.stdout[-3000:]
     iterations = [line for line in lines if ITERATION_LINE.match(line)]
     assert [line.split("|")[0].split("iteration")[1].split()[0] for line in iterations] == ["1/", "2/"], iterations
     assert any(line.startswith(" validation loss at iteration 2 |") for line in lines), done.stdout[-3000:]
