@@ -15,7 +15,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-EXTRAS=${MM_ADAPTOR_EXTRAS:-test,vlm}
+# lora (peft, and accelerate with it) stays out of the NPU leg: accelerate imports torch_npu wherever it finds one,
+# and the fake one's strictness probes must see the trainer's own first import
+EXTRAS=${MM_ADAPTOR_EXTRAS:-test,vlm,lora}
 TRANSFORMERS_SPEC=${TRANSFORMERS_SPEC:-transformers==4.57.6}  # the 4.x major (the 0.16.1 legs)
 
 # A Python >= 3.12: $PYTHON312, else python3.12/python3.13 on PATH, else one pyenv installed but did not activate.
@@ -40,6 +42,7 @@ elif [ "${1:-}" = npu-torch ]; then
   MEGATRON_SPEC="megatron-core==0.16.1"
   PYTHON=${PYTHON:-python3}
   TORCH_SPEC=${NPU_TORCH_SPEC:-torch==2.6.0}
+  EXTRAS=${MM_ADAPTOR_EXTRAS:-test,vlm}
 else
   VENV=.venv
   MEGATRON_SPEC="megatron-core==0.16.1"

@@ -226,3 +226,19 @@ def _moved(stacks, fqn, offsets):
         return offsets
     indices, totals = stacks[fqn]
     return (*indices[offsets[0]], *offsets[len(totals):])
+
+
+def saved_arguments(load: str):
+    """The arguments a Megatron torch_dist save under `load` was trained with (its marker's iteration), or None."""
+    marker = Path(load) / MARKER
+    if not marker.is_file() or not marker.read_text().strip().isdigit():
+        return None
+    directory = Path(load) / f"iter_{int(marker.read_text()):07d}"
+    if not (directory / "metadata.json").is_file():
+        return None
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load_common_state_dict(str(directory)).get("args")
+    except Exception:  # noqa: BLE001 - not ours to judge: Megatron's load speaks
+        return None

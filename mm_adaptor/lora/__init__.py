@@ -262,7 +262,7 @@ def checkpoint_settings(directory, seed: int = 0) -> Settings:
     if info.is_file() and json.loads(info.read_text()).get("lora"):
         saved = argparse.Namespace(**json.loads(info.read_text())["lora"])
     else:
-        from mm_adaptor.train.arguments import saved_arguments
+        from mm_adaptor.convert.mcore_io import saved_arguments
 
         saved = saved_arguments(str(directory))
     if saved is None or not getattr(saved, "lora_target_modules", None):

@@ -41,8 +41,17 @@ def _settings(mcore_dir: Path, checkpoint: Path) -> dict:
             "load_base_model": getattr(args, "load_base_model", None)}
 
 
+def _require_peft() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        raise ConvertError("peft is not installed: it writes the adapter's config (pip install 'mm-adaptor[lora]', "
+                           "or peft)")
+
+
 def lora_to_hf(mcore_dir, out, hf_config=None) -> dict:
     """A LoRA run's --save (its latest iteration) -> peft's adapter directory for transformers' model."""
+    _require_peft()
     from safetensors.torch import save_file
 
     from mm_adaptor.convert.mcore_to_hf import _torch_format_problem, checkpoint_path

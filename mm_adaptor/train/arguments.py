@@ -18,12 +18,12 @@ from mm_adaptor.data import cli as data_cli
 from mm_adaptor.mindspeed_mm import arguments as mindspeed_mm_arguments
 from mm_adaptor.models import registry
 from mm_adaptor.ranks.warning_digest import ShowEveryWarning
-from mm_adaptor.train import vlm_data
+from mm_adaptor.convert.mcore_io import saved_arguments
+from mm_adaptor.train import lora_arguments, vlm_data
 
 PROG = "mm-adaptor train"
 TRAINER_GROUP = "mm_adaptor trainer (not Megatron-LM's)"
 LAUNCH_GROUP = "mm_adaptor trainer: local ranks without torchrun (not Megatron-LM's)"
-LORA_GROUP = "mm_adaptor trainer: LoRA fine-tuning (MindSpeed-MM's flags, not Megatron-LM's)"
 
 # What prepare() says about the command (one line each; the ranks print them on rank 0). Not on Megatron's
 # arguments: it prints them all in its table and pickles them into every checkpoint.
@@ -128,20 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     launch.add("--node-rank", type=int, default=0, help="this node's rank, 0 to --nnodes - 1")
     launch.add("--master-addr", default=None, help="node 0's address (default 127.0.0.1 on one node)")
     launch.add("--master-port", type=int, default=None, help="node 0's port (default: a free one on one node)")
-    lora = _Group(parser.add_argument_group(LORA_GROUP), existing)
-    lora.add("--lora-target-modules", nargs="+", default=[], metavar="NAME",
-             help="train LoRA adapters on these linears, the base frozen: a module named so or ending in .NAME "
-                  "(peft's rule), e.g. linear_qkv linear_proj linear_fc1 linear_fc2 (names may also be joined by "
-                  "commas); a frozen tower (--freeze-vision, --freeze-language) gets none")
-    lora.add("--lora-r", type=int, default=8, help="the adapters' rank (default 8)")
-    lora.add("--lora-alpha", type=float, default=16.0, help="scaling alpha / r (default 16)")
-    lora.add("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default 0)")
-    lora.add("--lora-register-forward-hook", nargs="*", default=None, metavar="MODULE",
-             help="MindSpeed-MM's hooks that make these modules' outputs need gradients under full recompute; taken "
-                  "and not needed here: a LoRA run's fully recomputed blocks take hidden states that need them")
-    lora.add("--load-base-model", default=None, metavar="DIR",
-             help="the base model's checkpoint (converted, or a full training save) when --load holds the "
-                  "adapters of a LoRA run to resume; on a first run --load may hold the base instead")
+    lora_arguments.add_arguments(_Group(parser.add_argument_group(lora_arguments.GROUP), existing).add)
     mm = _Group(parser.add_argument_group(mindspeed_mm_arguments.GROUP), existing)
     for flag, kwargs in mindspeed_mm_arguments.trainer_arguments():
         mm.add(flag, **kwargs)
@@ -178,7 +165,8 @@ def prepare(args: argparse.Namespace) -> argparse.Namespace:
         family = families.of(args)
     except ValueError as exc:
         raise UsageError(*str(exc).splitlines()) from None
-    problems = _trainer_defaults(args) + family.problems_before_layout(args) + _lora_problems(args, family)
+    problems = _trainer_defaults(args) + family.problems_before_layout(args)
+    problems += lora_arguments.problems(args, family, NOTES)
     NOTES.extend(_converted_load(args))
     if not problems:
         problems += family.shape_megatron_args(args)
@@ -246,53 +234,6 @@ def _grouped_gemm_kernels() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in ("transformer_engine", "grouped_gemm"))
 
 
-def checkpoint_kind(directory) -> str | None:
-    """What a Megatron checkpoint directory holds: "adapters" (a LoRA run's save, or adapters converted from
-    peft's format), "base" (a whole model), or None (no checkpoint there)."""
-    import json
-
-    from mm_adaptor.convert.mcore_io import INFO, MARKER
-
-    path = Path(directory)
-    if (path / INFO).is_file():
-        return "adapters" if json.loads((path / INFO).read_text()).get("lora") else "base"
-    if not (path / MARKER).is_file():
-        return None
-    saved = saved_arguments(directory)
-    return "adapters" if getattr(saved, "lora_target_modules", None) else "base"
-
-
-def _lora_problems(args, family) -> list[str]:
-    """LoRA's flags (mm_adaptor.lora), and where the base comes from: --load-base-model, or on a first run --load
-    holding a whole model, which then loads as the base (as MindSpeed-MM reads it) and Megatron starts afresh."""
-    from mm_adaptor import lora
-
-    problems = lora.argument_problems(args)
-    if problems or not lora.enabled(args):
-        return problems
-    if args.lora_register_forward_hook is not None:
-        NOTES.append("LoRA: --lora-register-forward-hook is not needed here (a LoRA run's fully recomputed blocks take "
-                     "hidden states that need gradients): it has no effect")
-    if args.load_base_model:
-        if checkpoint_kind(args.load_base_model) != "base":
-            return [f"--load-base-model {args.load_base_model}: no whole model's checkpoint there (converted with "
-                    "mm-adaptor convert hf-to-mcore, or a full training save)"]
-        return []
-    kind = checkpoint_kind(args.load) if args.load else None
-    if kind == "adapters":
-        return [f"--load {args.load} holds LoRA adapters alone: add --load-base-model DIR, the base model they "
-                "were trained on"]
-    if kind == "base":
-        args.load_base_model, args.load = args.load, None
-        NOTES.append(f"LoRA: --load {args.load_base_model} holds the base model: its weights load and the adapters "
-                     "start new (to resume, --load the run's --save and --load-base-model this)")
-    elif hasattr(family, "model_config") and not family.tiny and not getattr(args, "hf_config", None):
-        return ["LoRA trains adapters on a base model: give --load with the converted base (or --load-base-model)"]
-    else:
-        NOTES.append("LoRA: no --load-base-model, so the base is randomly initialised (a tiny model's trial run)")
-    return []
-
-
 def _converted_load(args) -> list[str]:
     """A --load written by `mm-adaptor convert hf-to-mcore` holds the model's weights alone: it starts the run as
     Megatron's --finetune (weights loaded, iteration 0, a new optimizer). The note to print."""
@@ -305,33 +246,12 @@ def _converted_load(args) -> list[str]:
             "(iteration 0, a new optimizer)"]
 
 
-def saved_arguments(load: str):
-    """The arguments a Megatron torch_dist save under `load` was trained with (its marker's iteration), or None."""
-    from mm_adaptor.convert.mcore_io import MARKER
-
-    marker = Path(load) / MARKER
-    if not marker.is_file() or not marker.read_text().strip().isdigit():
-        return None
-    directory = Path(load) / f"iter_{int(marker.read_text()):07d}"
-    if not (directory / "metadata.json").is_file():
-        return None
-    from megatron.core import dist_checkpointing
-
-    try:
-        return dist_checkpointing.load_common_state_dict(str(directory)).get("args")
-    except Exception:  # noqa: BLE001 - not ours to judge: Megatron's load speaks
-        return None
-
-
-LORA_SETTINGS = ("lora_target_modules", "lora_r", "lora_alpha")
-
-
 def resume_problems(args) -> list[str]:
     """What Megatron's load cannot take from --load's save (one line): a MoE run's optimizer state across expert
     parallelism 1 and above, where Megatron builds one optimizer on one side and one per parameter kind on the
     other (its load raises); LoRA adapters under other targets, rank or alpha (the last would load and silently
     scale them otherwise)."""
-    problems = _lora_resume_problems(args)
+    problems = lora_arguments.resume_problems(args)
     if problems or not args.load or args.finetune or args.no_load_optim or not args.num_experts:
         return problems
     saved = saved_arguments(args.load)
@@ -344,33 +264,6 @@ def resume_problems(args) -> list[str]:
             f"{now} now: Megatron keeps the optimizer state of expert parallelism 1 and above in different shapes "
             "(one optimizer, or one for experts beside one for the rest) and cannot load one into the other: resume "
             f"at {'1' if before == 1 else 'an expert parallelism above 1'}, or add --no-load-optim"]
-
-
-def _lora_resume_problems(args) -> list[str]:
-    from mm_adaptor import lora
-
-    if not args.load or not lora.enabled(args) or checkpoint_kind(args.load) != "adapters":
-        return []
-    saved = saved_arguments(args.load)
-    if saved is None:  # adapters converted from peft's format: their own rank and alpha (mm_adaptor_convert.json)
-        import json
-
-        from mm_adaptor.convert.mcore_io import INFO
-
-        saved = argparse.Namespace(**json.loads((Path(args.load) / INFO).read_text())["lora"])
-    changed = [name for name in LORA_SETTINGS
-               if getattr(saved, name, None) is not None and _lora_value(name, getattr(saved, name))
-               != _lora_value(name, getattr(args, name))]
-    return [f"{_flag(name)} {_lora_value(name, getattr(args, name))}: --load {args.load} holds adapters trained "
-            f"with {_lora_value(name, getattr(saved, name))}: give that" for name in changed]
-
-
-def _lora_value(name, value):
-    from mm_adaptor import lora
-
-    if name == "lora_target_modules":
-        return " ".join(sorted(lora.targets_of(value)))
-    return float(value) if name == "lora_alpha" else value
 
 
 def data_resume_problems(args) -> list[str]:

@@ -206,6 +206,12 @@ def test_qwen2_5_vl_lora_exports_to_peft_and_back(tmp_path):
     assert keys == sorted(back.tensors())
     for key in keys:
         assert torch.equal(saved.read(key), back.read(key)), key
+    resumed = train(["--nproc-per-node", "1", "--load", str(tmp_path / "back"), "--load-base-model",
+                     str(tmp_path / "base"), "--data-path", shapes, "--split", "100,0,0", "--seq-length", "256",
+                     "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", "--lr", "5e-2",
+                     *QUICK, *TARGETS, "--lora-r", "4", "--lora-alpha", "8"])
+    assert resumed.status == 0, resumed.err[-3000:]
+    assert "is a converted checkpoint (weights only): it starts the run as --finetune" in resumed.out
 
 
 MOE = ["--model", "qwen3_vl_moe-tiny", *QUICK, "--global-batch-size", "4", "--micro-batch-size", "1", "--lr", "1e-2",
@@ -257,6 +263,12 @@ def test_expert_adapters_train_alike_at_ep2_x_etp2_and_export_to_peft(tmp_path):
     with torch.no_grad():
         expected = peft_model(input_ids=ids, **with_token_types(config, ids)).logits
     assert _relative(got, expected) < FP32_TOLERANCE
+    # the experts' adapters merged as peft merges them into transformers' fused experts
+    assert main(["convert", "merge-lora", str(tmp_path / "saved"), str(tmp_path / "merged")]) == 0
+    reference = peft_model.merge_and_unload().state_dict()
+    merged = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).state_dict()
+    assert sorted(merged) == sorted(reference)
+    assert max((merged[name] - reference[name]).abs().max().item() for name in merged) <= MERGE_ROUNDING
 
 
 def _ours_on_text(tmp_path):
