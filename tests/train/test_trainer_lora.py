@@ -1,7 +1,7 @@
 """LoRA fine-tuning in the trainer (MindSpeed-MM's flags): the base frozen and loaded from a whole model's
 checkpoint, the adapters trained, saved alone and resumed at another layout, and exported to peft's format.
 
-- The GPT from a trained base: the same losses at TP1, TP2 with sequence parallelism and PP2 (the adapters' split
+- The GPT from a trained base: the same losses at TP1, TP2 with sequence parallelism, PP2 and CP2 (the adapters' split
   factors and their gradients are whole-model ones), and a TP2 save resumes at TP1 where the straight run went on.
   Measured (CPU, fp32): 0 to 2e-7 relative between layouts and on the resume; LIMIT as for the trainer's other
   layout changes. Broken variant: the whole factors' gradients not summed over the sequence-parallel ranks (3e-3).
@@ -65,7 +65,8 @@ def test_gpt_lora_is_the_same_at_every_layout_and_resumes_at_another(gpt_base, t
     _, sp = _lora(tmp_path, "tp2_sp", gpt_base, *TP2_SP, "--save", str(tmp_path / "saved"), "--save-interval",
                   str(SAVED))
     _, pp = _lora(tmp_path, "pp2", gpt_base, "--pipeline-model-parallel-size", "2")
-    for found in (sp, pp):
+    _, cp = _lora(tmp_path, "cp2", gpt_base, "--context-parallel-size", "2")
+    for found in (sp, pp, cp):
         assert sorted(found) == sorted(reference)
         assert max(relative_differences(reference, found).values()) <= LIMIT, found
     stored = dist_checkpointing.load_tensors_metadata(str(tmp_path / "saved" / f"iter_{SAVED:07d}"))
