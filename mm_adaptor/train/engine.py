@@ -93,6 +93,12 @@ def _built(wrapped, _instance, args, kwargs):
     model = wrapped(*args, **kwargs)
     megatron_args = get_args()
     chunks = model if isinstance(model, list) else [model]
+    if getattr(megatron_args, "load_base_model", None):  # LoRA's base, where Megatron's own load would run
+        from mm_adaptor import lora
+        from mm_adaptor.core.wrapped import unwrap
+
+        for chunk in chunks:
+            lora.load_base(unwrap(chunk), megatron_args.load_base_model)
     expert_load.LOADS.attach(chunks, megatron_args)
     family = families.of(megatron_args)
     frozen = providers.MEMORY.get("frozen_towers")

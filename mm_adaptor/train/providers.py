@@ -88,8 +88,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 
 
 def with_lora(chunk, args):
-    """With --lora-target-modules: the chunk's adapters (mm_adaptor.lora), its base from --load-base-model, and
-    what Megatron saves and loads of it the adapters alone. What was adapted goes into MEMORY for the banner."""
+    """With --lora-target-modules: the chunk's adapters (mm_adaptor.lora), and what Megatron saves and loads of it
+    the adapters alone. What was adapted goes into MEMORY for the banner."""
     from mm_adaptor import lora
 
     if not lora.enabled(args):
@@ -103,9 +103,7 @@ def with_lora(chunk, args):
     record = MEMORY.setdefault("lora", {"targets_hit": set(), "modules": 0})
     record["targets_hit"].update(done["lora_targets_hit"])
     record["modules"] += len(done["lora_modules"])
-    if args.load_base_model:
-        lora.load_base(chunk, args.load_base_model)
-    lora.adapters_only(chunk)
+    lora.adapters_only(chunk)  # the base loads once the model is built and placed (engine._built)
     return chunk
 
 
