@@ -211,10 +211,24 @@ def adapters_only(model) -> None:
     model.sharded_state_dict = sharded_state_dict
 
 
-def base_entries(model, metadata=None) -> dict:
-    """The chunk's sharded state dict without its adapters: what a base checkpoint must hold."""
+def base_entries(model, metadata=None, adapters: bool = False) -> dict:
+    """The chunk's sharded state dict without its adapters (what a base checkpoint must hold), or with `adapters`
+    the adapters' entries alone."""
     whole = getattr(model, "lora_whole_sharded_state_dict", model.sharded_state_dict)
-    return {key: entry for key, entry in whole(metadata=metadata).items() if not is_adapter_key(key)}
+    return {key: entry for key, entry in whole(metadata=metadata).items() if is_adapter_key(key) == adapters}
+
+
+def _load_into(model, request: dict, directory) -> tuple[dict, list[str]]:
+    """Megatron's dist load of `request` from the checkpoint under `directory` (its marker's iteration), copied
+    into the model; returns the loaded tensors and the model's keys left unloaded."""
+    from pathlib import Path
+
+    from megatron.core import dist_checkpointing
+
+    from mm_adaptor.convert.mcore_to_hf import checkpoint_path
+
+    loaded = dist_checkpointing.load({"model": request}, str(checkpoint_path(Path(directory))))["model"]
+    return loaded, model.load_state_dict(loaded, strict=False).missing_keys
 
 
 def checkpoint_metadata() -> dict:
@@ -233,17 +247,15 @@ def load_base(model, directory) -> int:
 
     from mm_adaptor.convert.mcore_to_hf import checkpoint_path
 
-    path = checkpoint_path(Path(directory))
     request = base_entries(model, checkpoint_metadata())
-    stored = set(dist_checkpointing.load_tensors_metadata(str(path)))
+    stored = set(dist_checkpointing.load_tensors_metadata(str(checkpoint_path(Path(directory)))))
     for key, entry in request.items():
         sharded_key = getattr(entry, "key", None)
         if sharded_key is not None and not key.endswith("_extra_state") and sharded_key not in stored:
             raise ValueError(f"--load-base-model {directory}: its checkpoint has no {sharded_key}: it is not this "
                              "model's base (or holds adapters alone)")
-    loaded = dist_checkpointing.load({"model": request}, str(path))["model"]
-    missing, _ = model.load_state_dict(loaded, strict=False)
-    missing = [key for key in missing if not is_adapter_key(key) and not key.endswith("_extra_state")]
+    loaded, unloaded = _load_into(model, request, directory)
+    missing = [key for key in unloaded if not is_adapter_key(key) and not key.endswith("_extra_state")]
     if missing:
         raise ValueError(f"--load-base-model {directory}: {missing[0]} was not loaded")
     return len(loaded)
@@ -276,14 +288,5 @@ def checkpoint_settings(directory, seed: int = 0) -> Settings:
 def load_adapters(model, directory) -> int:
     """The adapters of a LoRA checkpoint (its latest iteration) into a model that apply() gave the same
     adapters, resharded to this layout. Returns the tensors loaded."""
-    from pathlib import Path
-
-    from megatron.core import dist_checkpointing
-
-    from mm_adaptor.convert.mcore_to_hf import checkpoint_path
-
-    whole = getattr(model, "lora_whole_sharded_state_dict", model.sharded_state_dict)
-    request = {key: entry for key, entry in whole(metadata=checkpoint_metadata()).items() if is_adapter_key(key)}
-    loaded = dist_checkpointing.load({"model": request}, str(checkpoint_path(Path(directory))))["model"]
-    model.load_state_dict(loaded, strict=False)
+    loaded, _ = _load_into(model, base_entries(model, checkpoint_metadata(), adapters=True), directory)
     return len(loaded)

@@ -68,8 +68,8 @@ def lora_to_hf(mcore_dir, out, hf_config=None) -> dict:
     if problem:
         raise ConvertError(problem)
     settings = _settings(mcore_dir, path)
-    stored = Reader(path).tensors()
     reader = Reader(path)
+    stored = reader.tensors()
     adapters = {key for key in stored if is_adapter_key(key) and not key.startswith("optimizer.")}
     if not adapters:
         raise ConvertError(f"{path}: no adapter tensors (lora_A / lora_B) in the checkpoint")

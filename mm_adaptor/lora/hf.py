@@ -102,7 +102,7 @@ def adapter_rules(family: Family) -> list[Rule]:
 
 def adapter_family(family: Family, keep=None) -> Family:
     """The family whose rules are its adapters' (those `keep(rule)` accepts): names, stacks and layers as the base's;
-    HF names already peft's (no aliases); no experts fused (expert adapters are not built yet)."""
+    HF names already peft's, an expert's per expert (fuse_experts puts them in peft's layout), no aliases."""
     rules = [rule for rule in adapter_rules(family) if keep is None or keep(rule)]
     return Family(name=f"{family.name}-lora", rules=rules, stacks=dict(family.stacks), subsets=dict(family.subsets),
                   per_layer_keys=family.per_layer_keys, config=family.config, fused_experts=())
