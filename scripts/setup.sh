@@ -14,6 +14,9 @@
 #                                  does not import without (PyTorch's CPU-wheel index is out of reach).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# No wheel cache: the two CUDA builds of torch would leave GBs of wheels in the cache beside their venvs, and a clean CI
+# machine ran out of disk installing the third venv (2026-11-29). MM_ADAPTOR_PIP_CACHE=1 keeps pip's cache.
+[ "${MM_ADAPTOR_PIP_CACHE:-0}" = 1 ] || export PIP_NO_CACHE_DIR=1  # pip reads any value, even 0, as no cache
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 # lora (peft, and accelerate with it) stays out of the NPU leg: accelerate imports torch_npu wherever it finds one,
 # and the fake one's strictness probes must see the trainer's own first import
