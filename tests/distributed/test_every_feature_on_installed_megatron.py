@@ -1,9 +1,9 @@
 """On the installed megatron-core (any release of the range: the 0.16.1 leg of the test command runs this file beside
-the unit tests, the newest leg with the whole suite): each built-in feature either serves, because the code of every
-upstream function it patches equals a release it was verified on, and then passes check against unpatched Megatron
-with its wrappers called; or it refuses in one line naming the changed function. Serving features run grouped, as
-the pair matrix groups them: bit-for-bit runs of the exact ones, then calibrated runs of the others, each run as
-many of them as validate together."""
+the unit tests; the newest leg leaves its grouped runs to test_feature_pairs.py, which holds them): each built-in
+feature either serves, because the code of every upstream function it patches equals a release it was verified on,
+and then passes check against unpatched Megatron with its wrappers called; or it refuses in one line naming the
+changed function. Serving features run grouped, as the pair matrix groups them: bit-for-bit runs of the exact ones,
+then calibrated runs of the others, each run as many of them as validate together."""
 
 import pytest
 from feature_runs import assert_run_passes
