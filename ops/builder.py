@@ -161,9 +161,14 @@ class _Ticker:
         return False
 
 
+def library_path(device: str) -> Path:
+    """Where the cache holds (or will hold) the built library for `device` and these sources."""
+    return cache_root() / f"{device}-{cache_key(device)}" / f"mm_adaptor_ops_{device}.so"
+
+
 def cached_library(device: str) -> Path | None:
     """The built library for `device` if the cache already has it (no build)."""
-    library = cache_root() / f"{device}-{cache_key(device)}" / f"mm_adaptor_ops_{device}.so"
+    library = library_path(device)
     return library if library.exists() else None
 
 

@@ -78,11 +78,29 @@ if [ "$selected" = yes ]; then
   MM_ADAPTOR_TEST_LEG=newest bash scripts/test_latest_megatron.sh "$@" || status=$?
   exit "$status"
 fi
-# The grouped feature checks of test_every_feature_on_installed_megatron.py run on 0.16.1 (its purpose); here
-# test_feature_pairs.py trains every feature with every other it accepts, a superset (60 s less)
-MM_ADAPTOR_TEST_LEG=newest bash scripts/test_latest_megatron.sh --ignore=tests/unit \
-  --deselect tests/distributed/test_every_feature_on_installed_megatron.py::test_serving_features_pass_check_here \
-  "$@" || status=$?
+# The rest of the suite in two pytest processes side by side: alone, one left about a quarter of CI's two cores
+# idle (vmstat: process starts, rendezvous, checkpoint writes, signal waits). One takes tests/ops and
+# tests/distributed, the other every other folder; the second starts once the first's opening test built the
+# native CPU ops into the suite's cache (that test builds them from four processes at once and counts one build).
+# The grouped feature checks of test_every_feature_on_installed_megatron.py run on 0.16.1 (their purpose); here
+# test_feature_pairs.py trains every feature with every other it accepts, a superset (60 s less).
+main=$(mktemp -d)
+latest_python=${MM_ADAPTOR_LATEST_VENV:-.venv-latest}/bin/python
+( rc=0; MM_ADAPTOR_TEST_LEG=newest "$latest_python" -m pytest -q -p no:cacheprovider tests/ops tests/distributed \
+    --deselect tests/distributed/test_every_feature_on_installed_megatron.py::test_serving_features_pass_check_here \
+    "$@" > "$main/multi-rank.log" 2>&1 || rc=$?
+  echo "$rc" > "$main/multi-rank.rc" ) &
+library=$("$latest_python" -c "from mm_adaptor.ops import builder; print(builder.library_path('cpu'))" 2>/dev/null)
+( until [ -e "$main/multi-rank.rc" ] || [ -e "$library" ]; do sleep 2; done
+  rc=0; MM_ADAPTOR_TEST_LEG=newest "$latest_python" -m pytest -q -p no:cacheprovider tests \
+    --ignore=tests/unit --ignore=tests/ops --ignore=tests/distributed "$@" > "$main/others.log" 2>&1 || rc=$?
+  echo "$rc" > "$main/others.rc" ) &
+wait
+echo "-- tests/ops and tests/distributed --"
+cat "$main/multi-rank.log"
+echo "-- the other folders but tests/unit --"
+cat "$main/others.log"
+for rc in "$main"/*.rc; do [ "$(cat "$rc")" = 0 ] || status=$(cat "$rc"); done
 # Then three processes side by side, each mostly one process (unit tests, one fake-NPU run at a time): the newest
 # leg's tests/unit and the two older legs; each prints when all are done. The multi-rank tests before keep both
 # cores busy; alone, one of these left a core half idle. The npu-torch environment installs once the base one has
