@@ -90,7 +90,9 @@ latest_python=${MM_ADAPTOR_LATEST_VENV:-.venv-latest}/bin/python
     --deselect tests/distributed/test_every_feature_on_installed_megatron.py::test_serving_features_pass_check_here \
     "$@" > "$main/multi-rank.log" 2>&1 || rc=$?
   echo "$rc" > "$main/multi-rank.rc" ) &
-library=$("$latest_python" -c "from mm_adaptor.ops import builder; print(builder.library_path('cpu'))" 2>/dev/null)
+# (no path: the second waits for the first to finish)
+library=$("$latest_python" -c "from mm_adaptor.ops import builder; print(builder.library_path('cpu'))" 2>/dev/null) ||
+  library=""
 ( until [ -e "$main/multi-rank.rc" ] || [ -e "$library" ]; do sleep 2; done
   rc=0; MM_ADAPTOR_TEST_LEG=newest "$latest_python" -m pytest -q -p no:cacheprovider tests \
     --ignore=tests/unit --ignore=tests/ops --ignore=tests/distributed "$@" > "$main/others.log" 2>&1 || rc=$?
@@ -102,7 +104,7 @@ echo "-- the other folders but tests/unit --"
 cat "$main/others.log"
 for rc in "$main"/*.rc; do [ "$(cat "$rc")" = 0 ] || status=$(cat "$rc"); done
 # Then three processes side by side, each mostly one process (unit tests, one fake-NPU run at a time): the newest
-# leg's tests/unit and the two older legs; each prints when all are done. The multi-rank tests before keep both
+# leg's tests/unit and the two older legs; each prints when all are done. The two processes before keep both
 # cores busy; alone, one of these left a core half idle. The npu-torch environment installs once the base one has
 # (both install this checkout in editable mode), beside the base leg's tests. (Installing them during the
 # multi-rank tests instead slowed those by more than the installs take.)
