@@ -200,7 +200,7 @@ def _hidden_states_take_gradients(_module, args, kwargs):
 
 
 def adapters_only(model) -> None:
-    """Megatron saves and loads this chunk's adapters alone (its sharded state dict filtered); base_entries keeps
+    """Megatron saves and loads this chunk's adapters alone (its sharded state dict filtered); sharded_entries reads
     the whole one."""
     whole = model.sharded_state_dict
 
@@ -211,23 +211,28 @@ def adapters_only(model) -> None:
     model.sharded_state_dict = sharded_state_dict
 
 
-def base_entries(model, metadata=None, adapters: bool = False) -> dict:
-    """The chunk's sharded state dict without its adapters (what a base checkpoint must hold), or with `adapters`
-    the adapters' entries alone."""
+def sharded_entries(model, metadata=None, *, adapters: bool) -> dict:
+    """The chunk's sharded state dict: its adapters' entries alone, or (adapters=False) all but them, what a base
+    checkpoint must hold."""
     whole = getattr(model, "lora_whole_sharded_state_dict", model.sharded_state_dict)
     return {key: entry for key, entry in whole(metadata=metadata).items() if is_adapter_key(key) == adapters}
 
 
-def _load_into(model, request: dict, directory) -> tuple[dict, list[str]]:
-    """Megatron's dist load of `request` from the checkpoint under `directory` (its marker's iteration), copied
-    into the model; returns the loaded tensors and the model's keys left unloaded."""
+def _stored_checkpoint(directory) -> str:
+    """The Megatron checkpoint under `directory` (its marker's iteration)."""
     from pathlib import Path
-
-    from megatron.core import dist_checkpointing
 
     from mm_adaptor.convert.mcore_to_hf import checkpoint_path
 
-    loaded = dist_checkpointing.load({"model": request}, str(checkpoint_path(Path(directory))))["model"]
+    return str(checkpoint_path(Path(directory)))
+
+
+def _load_into(model, request: dict, checkpoint: str) -> tuple[dict, list[str]]:
+    """Megatron's dist load of `request` from `checkpoint`, copied into the model; returns the loaded tensors and
+    the model's keys left unloaded."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load({"model": request}, checkpoint)["model"]
     return loaded, model.load_state_dict(loaded, strict=False).missing_keys
 
 
@@ -241,20 +246,17 @@ def load_base(model, directory) -> int:
     """This chunk's base weights from the Megatron checkpoint under `directory` (a converted one, or a full
     training save: its marker's iteration), resharded to this run's layout by Megatron's dist checkpointing.
     Returns the tensors loaded; ValueError names a tensor the checkpoint lacks."""
-    from pathlib import Path
-
     from megatron.core import dist_checkpointing
 
-    from mm_adaptor.convert.mcore_to_hf import checkpoint_path
-
-    request = base_entries(model, checkpoint_metadata())
-    stored = set(dist_checkpointing.load_tensors_metadata(str(checkpoint_path(Path(directory)))))
+    checkpoint = _stored_checkpoint(directory)
+    request = sharded_entries(model, checkpoint_metadata(), adapters=False)
+    stored = set(dist_checkpointing.load_tensors_metadata(checkpoint))
     for key, entry in request.items():
         sharded_key = getattr(entry, "key", None)
         if sharded_key is not None and not key.endswith("_extra_state") and sharded_key not in stored:
             raise ValueError(f"--load-base-model {directory}: its checkpoint has no {sharded_key}: it is not this "
                              "model's base (or holds adapters alone)")
-    loaded, unloaded = _load_into(model, request, directory)
+    loaded, unloaded = _load_into(model, request, checkpoint)
     missing = [key for key in unloaded if not is_adapter_key(key) and not key.endswith("_extra_state")]
     if missing:
         raise ValueError(f"--load-base-model {directory}: {missing[0]} was not loaded")
@@ -288,5 +290,6 @@ def checkpoint_settings(directory, seed: int = 0) -> Settings:
 def load_adapters(model, directory) -> int:
     """The adapters of a LoRA checkpoint (its latest iteration) into a model that apply() gave the same
     adapters, resharded to this layout. Returns the tensors loaded."""
-    loaded, _ = _load_into(model, base_entries(model, checkpoint_metadata(), adapters=True), directory)
+    request = sharded_entries(model, checkpoint_metadata(), adapters=True)
+    loaded, _ = _load_into(model, request, _stored_checkpoint(directory))
     return len(loaded)
