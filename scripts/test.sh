@@ -44,6 +44,11 @@ on_base() {
   MM_ADAPTOR_TEST_LEG=0.16.1 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 }
 
+LATEST_PYTHON=${MM_ADAPTOR_LATEST_VENV:-.venv-latest}/bin/python
+on_newest() {  # .venv-latest is set up first (setup.sh latest, below)
+  MM_ADAPTOR_TEST_LEG=newest "$LATEST_PYTHON" -m pytest -q -p no:cacheprovider "$@"
+}
+
 on_npu_torch() {
   bash scripts/setup.sh npu-torch >/dev/null
   local version
@@ -85,17 +90,16 @@ fi
 # The grouped feature checks of test_every_feature_on_installed_megatron.py run on 0.16.1 (their purpose); here
 # test_feature_pairs.py trains every feature with every other it accepts, a superset (60 s less).
 main=$(mktemp -d)
-latest_python=${MM_ADAPTOR_LATEST_VENV:-.venv-latest}/bin/python
-( rc=0; MM_ADAPTOR_TEST_LEG=newest "$latest_python" -m pytest -q -p no:cacheprovider tests/ops tests/distributed \
+( rc=0; on_newest tests/ops tests/distributed \
     --deselect tests/distributed/test_every_feature_on_installed_megatron.py::test_serving_features_pass_check_here \
     "$@" > "$main/multi-rank.log" 2>&1 || rc=$?
   echo "$rc" > "$main/multi-rank.rc" ) &
 # (no path: the second waits for the first to finish)
-library=$("$latest_python" -c "from mm_adaptor.ops import builder; print(builder.library_path('cpu'))" 2>/dev/null) ||
+library=$("$LATEST_PYTHON" -c "from mm_adaptor.ops import builder; print(builder.library_path('cpu'))" 2>/dev/null) ||
   library=""
 ( until [ -e "$main/multi-rank.rc" ] || [ -e "$library" ]; do sleep 2; done
-  rc=0; MM_ADAPTOR_TEST_LEG=newest "$latest_python" -m pytest -q -p no:cacheprovider tests \
-    --ignore=tests/unit --ignore=tests/ops --ignore=tests/distributed "$@" > "$main/others.log" 2>&1 || rc=$?
+  rc=0; on_newest tests --ignore=tests/unit --ignore=tests/ops --ignore=tests/distributed "$@" \
+    > "$main/others.log" 2>&1 || rc=$?
   echo "$rc" > "$main/others.rc" ) &
 wait
 echo "-- tests/ops and tests/distributed --"
@@ -109,8 +113,8 @@ for rc in "$main"/*.rc; do [ "$(cat "$rc")" = 0 ] || status=$(cat "$rc"); done
 # (both install this checkout in editable mode), beside the base leg's tests. (Installing them during the
 # multi-rank tests instead slowed those by more than the installs take.)
 legs=$(mktemp -d)
-( rc=0; MM_ADAPTOR_TEST_LEG=newest "${MM_ADAPTOR_LATEST_VENV:-.venv-latest}/bin/python" -m pytest -q -p no:cacheprovider tests/unit "$@" \
-    > "$legs/newest.log" 2>&1 || rc=$?  # .venv-latest is set up: no second editable install beside the base one's
+# (.venv-latest is set up: no second editable install beside the base one's)
+( rc=0; on_newest tests/unit "$@" > "$legs/newest.log" 2>&1 || rc=$?
   echo "$rc" > "$legs/newest.rc" ) &
 ( rc=0; bash scripts/setup.sh > "$legs/base.log" 2>&1 || rc=$?; touch "$legs/base.ready"
   [ "$rc" = 0 ] && { on_base "${BASE_LEG[@]}" "$@" >> "$legs/base.log" 2>&1 || rc=$?; }
