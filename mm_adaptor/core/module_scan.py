@@ -48,3 +48,12 @@ class Scan:
         if entry is None or entry[0] is not original or not set(prefixes) <= set(self._prefixes):
             return None
         return [(module, attr) for name, module, attr in entry[1] if name.startswith(prefixes)]
+
+    def note_installed(self, installed, holders: list[tuple[Any, str]]) -> None:
+        """A patch set `installed` at `holders` (its target and the copies it rebound): a later patch whose original
+        it is (a second target of the same replacement, a wrap over it) finds its holders here instead of in another
+        pass. Holders it had before count only if this scan looked for it (a replacement's object)."""
+        before = self._found.get(id(installed))
+        known = before[1] if before is not None and before[0] is installed else []
+        added = [(getattr(module, "__name__", ""), module, attr) for module, attr in holders]
+        self._found[id(installed)] = (installed, known + [entry for entry in added if entry not in known])

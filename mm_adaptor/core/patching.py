@@ -191,6 +191,8 @@ class Patch:
         self._copies = []
         if original is not _MISSING and not isinstance(owner, type) and _has_identity(original):
             self._rebind_copies(owner, original, installed, scanned)
+        if scanned is not None and not isinstance(owner, type) and _has_identity(installed):
+            scanned.note_installed(installed, [(owner, name), *self._copies])
         self._applied = True
         _ACTIVE.append(self)
 
@@ -293,6 +295,8 @@ def _scan_before_applying(patches: list) -> "module_scan.Scan | None":
     if any(not isinstance(p, Patch) for p in patches) or len({p.target for p in patches}) != len(patches):
         return None
     originals, prefixes, installing = {}, set(), {id(p.new) for p in patches}
+    # where a replacement's object already is: once installed it may be another patch's original (note_installed)
+    replacements = [p.new for p in patches if p.mode == "replace" and _has_identity(p.new)]
     for patch in patches:
         try:
             owner, name = resolve(patch.target)
@@ -303,7 +307,8 @@ def _scan_before_applying(patches: list) -> "module_scan.Scan | None":
                 and id(original) not in installing):
             originals[id(original)] = original
             prefixes.update(patch._prefixes(owner))
-    return module_scan.Scan(list(originals.values()), tuple(sorted(prefixes)))
+    scanned = {**originals, **{id(new): new for new in replacements}}
+    return module_scan.Scan(list(scanned.values()), tuple(sorted(prefixes)))
 
 
 class PatchSet:

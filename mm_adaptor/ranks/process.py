@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import threading
+import weakref
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -234,6 +235,17 @@ def write_whole_lines() -> None:
             stream.reconfigure(line_buffering=True, write_through=False)
 
 
+def _skip_operator_deregistration() -> None:
+    """torch.library's exit finalizers take every registered operator out of the dispatcher one by one (50 ms of
+    each rank's exit here), for a process os._exit ends right after."""
+    library = sys.modules.get("torch.library")
+    deregister = getattr(library, "_del_library", None)
+    for finalizer in list(getattr(weakref.finalize, "_registry", {})):
+        pending = finalizer.peek()
+        if deregister is not None and pending is not None and pending[1] is deregister:
+            finalizer.atexit = False
+
+
 def exit_skipping_teardown(code: int) -> None:
     """Exit a rank, or the program, with `code` once what it sent, started and buffered is out, skipping the
     interpreter's teardown.
@@ -247,6 +259,7 @@ def exit_skipping_teardown(code: int) -> None:
     # what the interpreter does next: threading's exit callbacks (a ThreadPoolExecutor's tells its idle workers to
     # stop; joining them without it waits forever), then the join of every non-daemon thread
     threading._shutdown()
+    _skip_operator_deregistration()
     atexit._run_exitfuncs()  # Python-level exit handlers, logging's flush among them
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
