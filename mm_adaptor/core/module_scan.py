@@ -17,6 +17,8 @@ def holders(prefixes: tuple[str, ...], objects: list) -> dict[int, list[tuple[st
     """id(obj) -> (module name, module, attribute) for every module under `prefixes` holding obj: one pass over
     sys.modules for any number of objects (it holds thousands of modules)."""
     found: dict[int, list[tuple[str, Any, str]]] = {id(obj): [] for obj in objects}
+    if not found or not prefixes:
+        return found  # (a set of module patches, or none: its scan looks for nothing)
     for mod_name, module in list(sys.modules.items()):
         namespace = getattr(module, "__dict__", None) if module is not None and mod_name.startswith(prefixes) else None
         if not isinstance(namespace, dict) or found.keys().isdisjoint(map(id, list(namespace.values()))):

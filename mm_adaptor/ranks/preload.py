@@ -21,6 +21,7 @@ MODULES = (
     "megatron.core.transformer",
     "megatron.core.models.gpt",
     "megatron.core.optimizer",
+    "megatron.core.models.mimo.model.base",  # get_megatron_optimizer's first line imports it (0.19)
     "megatron.core.distributed",
     "megatron.core.pipeline_parallel",
     "megatron.training.training",  # the trainer's engine (absent from megatron-core 0.16's wheel)
