@@ -40,6 +40,12 @@ def _preload() -> None:
                 __import__(module)
             except ImportError:
                 pass
+        try:
+            from mm_adaptor.train import argument_docs
+        except ImportError:
+            pass
+        else:
+            argument_docs.warm()  # Megatron's parser reads its docstrings in every trainer rank: once here instead
     finally:
         undo()
 

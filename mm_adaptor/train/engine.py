@@ -12,11 +12,13 @@ The trainer's own patch set attaches to Megatron's engine only where it has no w
 - print_rank_last: the trainer's fields appended to Megatron's iteration line (step_log.py);
 - load_checkpoint: MindSpeed-MM's mm-convert layout loaded (weights only);
 - save_checkpoint: the family's side files (a vision-language model's hf/ directory) written beside a save;
-- _warmup_jit_function: skipped when the run turned off every fusion it compiles."""
+- _warmup_jit_function: skipped when the run turned off every fusion it compiles;
+- ArgumentGroupFactory._get_field_docstrings: read once per class (argument_docs.py)."""
 
 from __future__ import annotations
 
 from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
+from mm_adaptor.train import argument_docs
 
 PATCH_SET = "trainer:megatron-training"
 TRAINING = "megatron.training.training"
@@ -39,6 +41,8 @@ def trainer_patch_set(handoff: dict | None = None) -> PatchSet:
     patches.wrap("megatron.training.checkpointing.load_checkpoint", _load_mm_checkpoint, contract=_contract())
     patches.wrap("megatron.training.checkpointing.save_checkpoint", _with_side_files, contract=_contract())
     patches.wrap("megatron.training.initialize._warmup_jit_function", _warm_up_what_runs, contract=_contract())
+    if argument_docs.factory() is not None:
+        patches.wrap(f"{argument_docs.FACTORY}._get_field_docstrings", argument_docs.remembered, contract=_contract())
     return patches
 
 
