@@ -7,6 +7,7 @@ are applied in the rank, after the fork."""
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import sys
 
@@ -29,6 +30,10 @@ MODULES = (
     "megatron.core.tokenizers.text",  # Megatron's tokenizers (transformers: seconds), built in every trainer rank
     "mm_adaptor.ops",  # our ops' schemas with torch.library (0.2 s: torch reads each fake's source); kernels load later
 )
+# What the server runs once its imports are done, named as MODULES are (module:function)
+WARM_UPS = (
+    "mm_adaptor.train.argument_docs:warm",  # Megatron's parser reads these docstrings in every trainer rank otherwise
+)
 NOTICES: list[str] = []  # what importing MODULES said, as a rank's warning forwarder words it
 
 
@@ -40,12 +45,13 @@ def _preload() -> None:
                 __import__(module)
             except ImportError:
                 pass
-        try:
-            from mm_adaptor.train import argument_docs
-        except ImportError:
-            pass
-        else:
-            argument_docs.warm()  # Megatron's parser reads its docstrings in every trainer rank: once here instead
+        for warm_up in WARM_UPS:
+            module, function = warm_up.split(":")
+            try:
+                run = getattr(importlib.import_module(module), function)
+            except ImportError:
+                continue
+            run()
     finally:
         undo()
 
