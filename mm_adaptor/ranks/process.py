@@ -240,9 +240,11 @@ def _skip_operator_deregistration() -> None:
     each rank's exit here), for a process os._exit ends right after."""
     library = sys.modules.get("torch.library")
     deregister = getattr(library, "_del_library", None)
+    if deregister is None:
+        return
     for finalizer in list(getattr(weakref.finalize, "_registry", {})):
         pending = finalizer.peek()
-        if deregister is not None and pending is not None and pending[1] is deregister:
+        if pending is not None and pending[1] is deregister:
             finalizer.atexit = False
 
 

@@ -21,13 +21,17 @@ def factory():
     return ArgumentGroupFactory if "_get_field_docstrings" in vars(ArgumentGroupFactory) else None
 
 
-def remembered(wrapped, _instance, args, kwargs):
-    """ArgumentGroupFactory._get_field_docstrings, read once per class (a copy each time: callers own theirs)."""
-    (config_class,) = [*args, *kwargs.values()]
+def _read_once(read, config_class) -> dict[str, str]:
     known = _DOCSTRINGS.get(config_class)
     if known is None:
-        known = _DOCSTRINGS[config_class] = wrapped(*args, **kwargs)
-    return dict(known)
+        known = _DOCSTRINGS[config_class] = read(config_class)
+    return dict(known)  # a copy each time: callers own theirs
+
+
+def remembered(wrapped, _instance, args, kwargs):
+    """ArgumentGroupFactory._get_field_docstrings, read once per class."""
+    (config_class,) = [*args, *kwargs.values()]
+    return _read_once(wrapped, config_class)
 
 
 def warm() -> None:
@@ -38,14 +42,7 @@ def warm() -> None:
     from megatron.training.arguments import add_megatron_arguments
 
     read = owner._get_field_docstrings
-
-    def reading(self, config_class):
-        known = _DOCSTRINGS.get(config_class)
-        if known is None:
-            known = _DOCSTRINGS[config_class] = read(self, config_class)
-        return dict(known)
-
-    owner._get_field_docstrings = reading
+    owner._get_field_docstrings = lambda self, config_class: _read_once(lambda c: read(self, c), config_class)
     try:
         with contextlib.suppress(Exception):  # a cold cache only costs the reads it would have saved
             add_megatron_arguments(argparse.ArgumentParser(add_help=False))
