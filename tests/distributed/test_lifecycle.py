@@ -114,8 +114,10 @@ def launched(tmp_path):
 
 
 def _saved(tmp_path: Path) -> int:
+    """0 until Megatron's tracker names an iteration; it opens the file before writing it, so it can be empty."""
     marker = tmp_path / "ckpt" / MARKER
-    return int(marker.read_text()) if marker.exists() else 0
+    text = marker.read_text().strip() if marker.exists() else ""
+    return int(text) if text else 0
 
 
 def _iterations_logged(tmp_path: Path) -> list[int]:
