@@ -14,8 +14,10 @@ import functools
 
 import torch
 
-# Set on an MLP (dense, or one SequentialMLP expert) whose activation runs without keeping its output.
+# Set on an MLP (dense, or one SequentialMLP expert) whose activation runs without keeping its output: True, or
+# WITH_FC1 when fc1's output is not kept either (fc1 and the activation recomputed together, from fc1's input).
 RECOMPUTE_ATTR = "_mm_recompute_activation"
+WITH_FC1 = "with fc1"
 
 
 class _Gives(torch.nn.Module):
@@ -49,19 +51,34 @@ def _activation_only(wrapped, mlp, kwargs, intermediate, bias, per_token_scale):
     return output
 
 
+def _fc1_and_activation(wrapped, mlp, kwargs, hidden_states, per_token_scale):
+    """megatron's MLP.forward up to fc2's input: fc1 is the real one, fc2 stood in for."""
+    modules = mlp._modules
+    fc2 = modules["linear_fc2"]
+    modules["linear_fc2"] = _HandsBack()
+    try:
+        output, _ = wrapped(hidden_states, per_token_scale=per_token_scale, **kwargs)
+    finally:
+        modules["linear_fc2"] = fc2
+    return output
+
+
 def mlp_forward_recomputing_activation(wrapped, instance, args, kwargs, checkpoint_class=None):
     """MLP.forward: fc1 -> activation (inputs kept, output released after fc2 saved it) -> fc2 [-> expert bias].
     checkpoint_class: megatron's CheckpointWithoutOutput unless given (the harness's self-test passes a wrong one)."""
     if instance is None:  # called through the class: MLP.forward(mlp, ...); the original then needs it too
         instance, args = args[0], args[1:]
         wrapped = functools.partial(wrapped, instance)
-    if not getattr(instance, RECOMPUTE_ATTR, False) or not torch.is_grad_enabled():
+    scope = getattr(instance, RECOMPUTE_ATTR, False)
+    if not scope or not torch.is_grad_enabled():
         return wrapped(*args, **kwargs)
     from megatron.core import tensor_parallel
 
     kwargs = dict(kwargs)
     hidden_states = args[0] if args else kwargs.pop("hidden_states")
     per_token_scale = args[1] if len(args) > 1 else kwargs.pop("per_token_scale", None)
+    if scope == WITH_FC1:
+        return _recompute_with_fc1(wrapped, instance, kwargs, hidden_states, per_token_scale, checkpoint_class)
     intermediate, bias = instance.linear_fc1(hidden_states)
 
     # CheckpointWithoutOutput saves its tensor arguments: pass only the ones that exist.
@@ -95,7 +112,34 @@ def mlp_forward_recomputing_activation(wrapped, instance, args, kwargs, checkpoi
     return output, output_bias
 
 
-def _mark_mlp(mlp) -> int:
+def _recompute_with_fc1(wrapped, mlp, kwargs, hidden_states, per_token_scale, checkpoint_class):
+    """fc1 -> activation kept as fc1's input only (fc1's output is not kept either) -> fc2: both are recomputed,
+    with fc1's weight gradient, when fc2's output gradient arrives."""
+    from megatron.core import tensor_parallel
+
+    inputs = [t for t in (hidden_states, per_token_scale) if t is not None]
+    has_scale = per_token_scale is not None
+
+    def fc1_and_activation(x, *scale):
+        return _fc1_and_activation(wrapped, mlp, kwargs, x, scale[0] if has_scale else None)
+
+    checkpoint = (checkpoint_class or tensor_parallel.CheckpointWithoutOutput)(fp8=None)
+    activated = checkpoint.checkpoint(fc1_and_activation, *inputs)
+    output, output_bias = mlp.linear_fc2(activated)
+    if per_token_scale is not None and output_bias is not None:
+        output += output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)
+        output_bias = None
+    checkpoint.discard_output_and_register_recompute(output)
+    return output, output_bias
+
+
+def mark(mlp, scope=True) -> None:
+    """Mark one MLP module; a wider scope (WITH_FC1) already there stays."""
+    if getattr(mlp, RECOMPUTE_ATTR, False) != WITH_FC1:
+        setattr(mlp, RECOMPUTE_ATTR, scope)
+
+
+def _mark_mlp(mlp, scope=True) -> int:
     """Mark a layer's MLP (dense, SequentialMLP experts, GroupedMLP); returns how many were marked."""
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.moe import experts as moe_experts
@@ -104,12 +148,12 @@ def _mark_mlp(mlp) -> int:
     grouped_mlp = getattr(moe_experts, "GroupedMLP", None)  # megatron-core 0.17 removed it
 
     if type(mlp) is MLP:
-        setattr(mlp, RECOMPUTE_ATTR, True)
+        mark(mlp, scope)
         return 1
     experts = getattr(mlp, "experts", None)
     if isinstance(experts, SequentialMLP):
         for expert in experts.local_experts:
-            setattr(expert, RECOMPUTE_ATTR, True)
+            mark(expert, scope)
         return len(experts.local_experts)
     if grouped_mlp is not None and isinstance(experts, grouped_mlp):
         # GroupedMLP's own moe_act recompute is this mechanism (megatron's forward, or --use-fused-gmm's)
