@@ -44,6 +44,14 @@ CONFIGS = {
     "swap attention": ["--swap-attention"],
     "both": ["--recompute-activation-function", "--swap-attention"],
 }
+# --experts N: MoE layers (EP1, the alltoall dispatcher) and these configurations by default
+MOE_CONFIGS = {
+    "unpatched": [],
+    "recompute activation": ["--recompute-activation-function"],
+    "moe-zero-memory level0": ["--moe-zero-memory", "level0"],
+    "moe-zero-memory level1": ["--moe-zero-memory", "level1"],
+}
+MOE_NATIVE = ["megatron-recompute-moe_act", "megatron-recompute-moe"]
 FUSED = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb", "--use-flash-attn"]
 # megatron-core's own mechanisms, by TransformerConfig field (see the module docstring); module names joined by "+"
 NATIVE_RECOMPUTE, NATIVE_OFFLOAD = "megatron-recompute-", "megatron-offload-"
@@ -75,26 +83,34 @@ def parse_args(argv=None):
     p.add_argument("--unfused", action="store_true", help=f"Megatron's own kernels instead of {' '.join(FUSED)}")
     p.add_argument("--steps", type=int, default=5, help="measured steps per configuration")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"comma-separated subset of: {', '.join(CONFIGS)}; or megatron-core's own: "
+    p.add_argument("--experts", type=int, default=0,
+                   help="MoE layers with this many experts of --ffn each (one rank: EP1, the alltoall dispatcher); "
+                        f"the configurations are then {', '.join(MOE_CONFIGS)} (--native: {', '.join(MOE_NATIVE)})")
+    p.add_argument("--topk", type=int, default=2, help="experts per token, with --experts")
+    p.add_argument("--configs", default=None,
+                   help=f"comma-separated subset of: {', '.join(CONFIGS)} ({', '.join(MOE_CONFIGS)} with --experts); "
+                        f"or megatron-core's own: "
                         f"{NATIVE_RECOMPUTE}M[+M...] (recompute_modules), {NATIVE_OFFLOAD}M[+M...] (offload_modules)")
     p.add_argument("--native", action="store_true",
                    help=f"append megatron-core's own recompute and offloading to --configs: {', '.join(NATIVE)}")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    names = args.configs.split(",")
+    known = MOE_CONFIGS if args.experts else CONFIGS
+    names = (args.configs or ",".join(known)).split(",")
     if args.native:
-        names += [n for n in NATIVE if n not in names]
-    unknown = {n for n in names if n not in CONFIGS and not native_fields(n)}
+        names += [n for n in (MOE_NATIVE if args.experts else NATIVE) if n not in names]
+    unknown = {n for n in names if n not in known and not native_fields(n)}
     if unknown:
-        p.error(f"--configs: unknown {', '.join(sorted(unknown))}; choose from {', '.join(CONFIGS)}, "
+        p.error(f"--configs: unknown {', '.join(sorted(unknown))}; choose from {', '.join(known)}, "
                 f"{NATIVE_RECOMPUTE}M[+M...] or {NATIVE_OFFLOAD}M[+M...]")
     args.configs = ",".join(names)
     return args
 
 
 def driver_args(args, flags):
-    return llama_like_driver_options(args, *(["--bf16"] if args.dtype == "bfloat16" else []),
+    moe = (["--num-experts", str(args.experts), "--moe-router-topk", str(args.topk),
+            "--moe-token-dispatcher-type", "alltoall"] if args.experts else [])
+    return llama_like_driver_options(args, *(["--bf16"] if args.dtype == "bfloat16" else []), *moe,
                                      *([] if args.unfused else FUSED), *flags)
 
 
@@ -239,7 +255,8 @@ def measure(args, name, flags, device):
             if native:
                 # megatron-core validates the fields itself (__post_init__ runs again)
                 config = dataclasses.replace(config, **native)
-            block = TransformerBlock(config, get_gpt_layer_local_spec(normalization="RMSNorm"), post_process=False)
+            spec = get_gpt_layer_local_spec(num_experts=args.experts or None, normalization="RMSNorm")
+            block = TransformerBlock(config, spec, post_process=False)
             block = block.to(device)
             if getattr(config, "fine_grained_activation_offloading", False):
                 offload = NativeOffload(config, block)
@@ -321,12 +338,13 @@ def main(argv=None):
     from megatron.core import parallel_state
 
     init_single_rank("gloo" if device.type == "cpu" else "nccl")
-    print(f"# {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, {args.heads} heads, seq {args.seq}, "
+    experts = f"{args.experts} experts of ffn {args.ffn}, top-{args.topk}" if args.experts else f"ffn {args.ffn}"
+    print(f"# {args.layers} layers, hidden {args.hidden}, {experts}, {args.heads} heads, seq {args.seq}, "
           f"micro-batch {args.micro_batch}, {args.dtype}, {'unfused' if args.unfused else 'fused kernels'}; "
           f"{device_name(args.device)}; median of {args.steps} steps after {args.warmup} warm-up", flush=True)
     rows, refused = [], []
     for name in args.configs.split(","):
-        row = measure(args, name, CONFIGS.get(name, []), device)
+        row = measure(args, name, (MOE_CONFIGS if args.experts else CONFIGS).get(name, []), device)
         if "refused" in row:
             refused.append(row)
             print(f"#   {name}: refused: {row['refused']}", file=sys.stderr, flush=True)

@@ -58,6 +58,9 @@ VARIANTS = {
     "reuse-fp32-param": ("--reuse-fp32-param", True, ("--reuse-fp32-param",)),
     "swap-optimizer": ("--swap-optimizer", True, ("--swap-optimizer",)),
     "virtual-optimizer": ("--virtual-optimizer", True, ("--virtual-optimizer", "1")),
+    # MoE: give every variant --num-experts (and a layout: -- --num-experts 4 --expert-model-parallel-size 2 ...)
+    "moe-zero-memory-level0": ("--moe-zero-memory level0", True, ("--moe-zero-memory", "level0")),
+    "moe-zero-memory-level1": ("--moe-zero-memory level1", True, ("--moe-zero-memory", "level1")),
 }
 DEFAULT_VARIANTS = ("unpatched", "import", "fused-rmsnorm", "fused-swiglu", "fused-rotary-pos-emb", "flash-attn", "all")
 # (cuda, cpu) defaults of the model options

@@ -235,6 +235,17 @@ def test_activation_memory_benchmark_moves_and_drops_bytes():
     assert device("both") < device("swap attention"), stdout
 
 
+def test_activation_memory_benchmark_on_moe_layers():
+    stdout = run_script("activation_memory.py", "--device", "cpu", "--experts", "4", "--topk", "2", "--hidden", "64",
+                        "--ffn", "128", "--heads", "2", "--seq", "64", "--steps", "1", "--warmup", "1",
+                        "--configs", "unpatched,moe-zero-memory level0,moe-zero-memory level1")
+    header, rows = table_rows(stdout)
+    assert "4 experts of ffn 128, top-2" in stdout, stdout
+    device = {row[0]: float(row[3]) for row in rows}
+    assert list(device) == ["unpatched", "moe-zero-memory level0", "moe-zero-memory level1"], stdout
+    assert device["moe-zero-memory level1"] < device["moe-zero-memory level0"] < device["unpatched"], stdout
+
+
 def test_optimizer_memory_benchmark_moves_optimizer_state():
     stdout = run_script("optimizer_memory.py", "--device", "cpu", "--layers", "1", "--hidden", "128", "--ffn", "344",
                         "--heads", "2", "--vocab", "512", "--seq", "32", "--steps", "1", "--warmup", "1",
