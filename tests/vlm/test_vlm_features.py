@@ -3,7 +3,7 @@ against unpatched Megatron, batched into three comparisons (TP2 with sequence pa
 each member's wrappers must have run. VPP (--vpp-extra-warmup) is refused by the model in one line.
 
 `--model qwen3_vl_moe-tiny` (vision tower, DeepStack, interleaved mrope, MoE layers) the same way, four groups at
-TP2 with sequence parallelism; --use-fused-gmm serves its experts. --use-flash-attn is compared with the vision
+TP2 with sequence parallelism; --use-fused-gmm serves its experts, --moe-zero-memory dispatches them again. --use-flash-attn is compared with the vision
 tower frozen (the fine-tuning recipes' setting): with the tower trained, the patch embedding's weight gradient
 differs by 4.6e-8 relative at step 1, 3.0x the calibrated limit (the frame mask's softmax summed in blocks); every
 other statistic is inside it. Measured 2026-11-26."""
@@ -35,9 +35,9 @@ QWEN3_GROUPS = {  # name: (feature flags, flags of both runs, exact, features)
                  "--use-fused-gmm"], ["--moe-grouped-gemm"], False,
                 ["fused-rmsnorm", "fused-swiglu", "fused-rotary-pos-emb", "coc", "fused-gmm"]),
     "flash-attn": (["--use-flash-attn"], ["--freeze-vision"], False, ["flash-attn"]),
-    "memory": (["--recompute-activation-function", "--swap-attention", "--swap-min-bytes", "0", "--swap-optimizer"],
-               ["--use-distributed-optimizer"], True,
-               ["recompute-activation-function", "swap-attention", "swap-optimizer"]),
+    "memory": (["--recompute-activation-function", "--swap-attention", "--swap-min-bytes", "0", "--swap-optimizer",
+                "--moe-zero-memory", "level1"], ["--use-distributed-optimizer"], True,
+               ["recompute-activation-function", "swap-attention", "swap-optimizer", "moe-zero-memory"]),
     "bf16-optimizer": (["--reuse-fp32-param", "--virtual-optimizer"], ["--bf16", "--use-distributed-optimizer"], True,
                        ["reuse-fp32-param", "virtual-optimizer"]),
 }
@@ -48,7 +48,8 @@ def _ran(calls: dict) -> bool:
 
 
 def assert_group_serves(model, flags, base, exact, names) -> dict:
-    """check at TP2 + SP passes within the declared tolerance and each named feature's wrappers ran; the calls."""
+    """check at TP2 + SP passes within the declared tolerance and each named feature's wrappers ran; the run's
+    memory figures (its patch calls, its features' statistics)."""
     result = harness.compare(flags, layout="tp2-sp", extra_args=[*model, *base], iters=3)
     assert result.passed, harness.format_comparison(result)
     assert result.tolerance.exact == exact
@@ -56,7 +57,7 @@ def assert_group_serves(model, flags, base, exact, names) -> dict:
     for name in names:
         assert name in calls, f"{name} was not applied"
         assert _ran(calls[name]), f"{name}'s wrappers never ran: {calls[name]}"
-    return calls
+    return result.memory_on
 
 
 @pytest.mark.parametrize("group", list(GROUPS))
@@ -66,9 +67,12 @@ def test_features_serve_the_vlm_within_their_tolerance(group):
 
 @pytest.mark.parametrize("group", list(QWEN3_GROUPS))
 def test_features_serve_qwen3_vl_moe_within_their_tolerance(group):
-    calls = assert_group_serves(MOE, *QWEN3_GROUPS[group])
+    run = assert_group_serves(MOE, *QWEN3_GROUPS[group])
     if group == "kernels":  # the experts themselves went through the grouped GEMM
-        assert calls["fused-gmm"]["megatron.core.transformer.moe.experts.SequentialMLP.forward"] > 0
+        assert run["patch_calls"]["fused-gmm"]["megatron.core.transformer.moe.experts.SequentialMLP.forward"] > 0
+    if group == "memory":
+        stats = run["feature_statistics"]["moe-zero-memory"]
+        assert stats["experts' inputs dispatched again"] > 0 and stats["saved expert inputs released"] > 0, stats
 
 
 def test_refused_features_give_one_line_reasons():
