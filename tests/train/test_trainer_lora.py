@@ -223,8 +223,8 @@ EP2_ETP2 = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size",
 
 def test_expert_adapters_train_alike_at_ep2_x_etp2_and_export_to_peft(tmp_path):
     """Qwen3-VL-MoE with adapters on every expert (and attention): the same losses at EP1, EP2 and EP2 x expert-TP2
-    with sequence parallelism (4 ranks; measured 0 to 8.6e-8 relative); broken variant (2.4e-4): the expert factors'
-    gradients not summed over the expert-TP group. The EP2 x ETP2 save exports to peft's adapters of transformers'
+    with sequence parallelism (4 ranks; measured 0 to 8.6e-8 relative), and at EP2 with --moe-zero-memory level1
+    exactly EP2's; broken variant (2.4e-4): the expert factors' gradients not summed over the expert-TP group. The EP2 x ETP2 save exports to peft's adapters of transformers'
     fused experts, which give our model's logits."""
     import torch
     from peft import PeftModel
@@ -239,12 +239,18 @@ def test_expert_adapters_train_alike_at_ep2_x_etp2_and_export_to_peft(tmp_path):
             str(tmp_path / "base")]
     runs = {}
     for name, nproc, extra in (("ep1", 1, []), ("ep2", 2, ["--expert-model-parallel-size", "2"]),
+                               ("ep2_zero_memory", 2, ["--expert-model-parallel-size", "2", "--moe-zero-memory",
+                                                       "level1"]),
                                ("ep2_etp2", 4, [*EP2_ETP2, "--save", str(tmp_path / "saved"), "--save-interval", "3"])):
         run = train(["--nproc-per-node", str(nproc), *lora, *extra, "--tensorboard-dir", str(tmp_path / name)])
         assert run.status == 0, run.err[-3000:]
         runs[name] = scalars(tmp_path / name)
+        if "--moe-zero-memory" in extra:
+            assert "moe-zero-memory" in next(line for line in run.out.splitlines() if "features applied:" in line)
     for name in ("ep2", "ep2_etp2"):
         assert max(relative_differences(runs["ep1"], runs[name]).values()) <= LIMIT, runs
+    # the experts' adapters recomputed with fc1 from the re-dispatched input: the same numbers
+    assert runs["ep2_zero_memory"] == runs["ep2"], runs
     with extra_feature_module("broken_trainer_features"):
         broken = train(["--nproc-per-node", "4", *lora, *EP2_ETP2, "--test-lora-unsummed-expert-gradients",
                         "--tensorboard-dir", str(tmp_path / "broken")])
