@@ -64,4 +64,11 @@ def status() -> dict:
     note = ("flash_attention runs PyTorch's fused SDPA kernels (flash / memory-efficient) on CUDA and the CPU, "
             "torch_npu's npu_fusion_attention on an NPU, and a blockwise fp32 kernel in PyTorch ops where those "
             "cannot serve (attention dropout on the CPU); the other ops have their own kernels")
-    return {"devices": devices, "ops": OP_NAMES, "note": note, "cache": str(builder.cache_root())}
+    builds = {}
+    for device in ("cpu", "cuda"):
+        try:
+            info = builder.recorded_build(device)
+        except builder.BuildUnavailable:
+            continue
+        builds[device] = "; ".join(f"{key} {value}" for key, value in info.items())
+    return {"devices": devices, "ops": OP_NAMES, "note": note, "cache": str(builder.cache_root()), "builds": builds}

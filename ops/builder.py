@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -26,8 +27,16 @@ from mm_adaptor.core.cache import user_cache
 
 CACHE_ENV = "MM_ADAPTOR_OPS_CACHE"
 CSRC = Path(__file__).resolve().parent / "csrc"
-# Built on the machine that runs it (the cache key includes the CPU's feature flags), so -march=native is safe.
-CXX_FLAGS = ["-O3", "-std=c++20", "-fopenmp", "-march=native", "-fno-trapping-math"]
+# No -march=native: a cached build may move between machines (a shared cache, a copied venv), so the instruction
+# set is an explicit x86-64 level the CPU has (isa_flags), which is part of the cache key; the compiler and every
+# flag are recorded beside the library (build.json) and shown by `mm-adaptor report`.
+CXX_FLAGS = ["-O3", "-std=c++20", "-fopenmp", "-fno-trapping-math"]
+# x86-64 micro-architecture levels (the psABI's), highest first: what /proc/cpuinfo must list for each
+X86_64_LEVELS = (
+    ("x86-64-v4", {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+    ("x86-64-v3", {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}),
+    ("x86-64-v2", {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}),
+)
 NVCC_FLAGS = ["-O3", "-std=c++20", "--use_fast_math", "-U__CUDA_NO_HALF_OPERATORS__",
               "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF_CONVERSIONS__"]
 
@@ -65,8 +74,46 @@ def headers(device: str) -> list[Path]:
                   for p in folder.glob(pattern))
 
 
+def isa_flags(cpu_flags: str | None = None) -> list[str]:
+    """The highest x86-64 level whose features this CPU lists (v2 needs v1's, and so on), or none elsewhere."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    listed = set((cpu_flags if cpu_flags is not None else _cpu_features()).split())
+    for index, (level, _) in enumerate(X86_64_LEVELS):
+        if all(needs <= listed for _, needs in X86_64_LEVELS[index:]):
+            return [f"-march={level}"]
+    return ["-march=x86-64"]
+
+
+# Flags left out of a build, space-separated (a diagnosis: scripts/gpu_session.sh native-errors builds without -fopenmp)
+DROP_FLAGS_ENV = "MM_ADAPTOR_OPS_DROP_FLAGS"
+
+
 def cxx_flags(device: str) -> list[str]:
-    return [*CXX_FLAGS, f"-DMM_ADAPTOR_DISPATCH_KEY={DISPATCH_KEYS[device]}"]
+    dropped = set(os.environ.get(DROP_FLAGS_ENV, "").split())
+    flags = [*CXX_FLAGS, *isa_flags(), f"-DMM_ADAPTOR_DISPATCH_KEY={DISPATCH_KEYS[device]}"]
+    return [flag for flag in flags if flag not in dropped]
+
+
+def recorded_build(device: str) -> dict:
+    """The build.json of the cached library where one is built, else what a build here would use."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BuildUnavailable("no CUDA device")
+    cached = cached_library(device)
+    record = cached.parent / "build.json" if cached else None
+    if record is not None and record.is_file():
+        return json.loads(record.read_text())
+    return build_info(device)
+
+
+def build_info(device: str) -> dict:
+    """What builds (or built) the library: the compiler and its flags (and nvcc's, for CUDA)."""
+    info = {"compiler": compiler(device), "cxx_flags": " ".join(cxx_flags(device))}
+    if device == "cuda":
+        info.update(nvcc=nvcc_version(), nvcc_flags=" ".join(NVCC_FLAGS), architectures=cuda_architectures())
+    return info
 
 
 def compiler(device: str) -> str:
@@ -108,7 +155,7 @@ def nvcc_version() -> str:
 
 def key_parts(device: str) -> list[str]:
     parts = [torch.__version__, str(torch.version.cuda), sys.version, compiler(device),
-             " ".join(cxx_flags(device) + NVCC_FLAGS), _cpu_features()]
+             " ".join(cxx_flags(device) + NVCC_FLAGS)]
     if device == "cuda":
         parts += [nvcc_version(), cuda_architectures()]
     return parts
@@ -218,6 +265,7 @@ def _compile_and_publish(device: str, name: str, srcs: list[Path], build_dir: Pa
         load(name=name, sources=[str(s) for s in srcs], build_directory=str(private), extra_cflags=cxx_flags(device),
              extra_cuda_cflags=NVCC_FLAGS if device == "cuda" else None,
              extra_include_paths=[str(CSRC / device)], is_python_module=False, verbose=verbose)
+        (build_dir / "build.json").write_text(json.dumps(build_info(device), indent=1) + "\n")
         os.replace(private / f"{name}.so", build_dir / f"{name}.so")
     except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
         raise BuildUnavailable(f"building the native {device} ops failed: {exc}") from exc

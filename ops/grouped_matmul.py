@@ -70,17 +70,22 @@ def npu_serves(x, weights) -> bool:
             and n < INNER_LIMIT)
 
 
-def _check_counts(counts, experts, rows):
+def check_counts(counts, experts, rows):
+    """The native kernels' checks, made in Python before the call where the counts are on the host (a C++ error
+    raised inside the native library is the last line of defence, not the first)."""
     if counts.numel() != experts:
         raise RuntimeError(f"grouped_matmul: tokens_per_expert has {counts.numel()} entries for {experts} experts")
-    if counts.device.type == "cpu" and int(counts.sum()) != rows:  # counts on the device are not read back
-        raise RuntimeError(f"grouped_matmul: tokens_per_expert sums to {int(counts.sum())} but x has {rows} rows")
+    if counts.device.type == "cpu":  # counts on the device are not read back
+        if bool((counts < 0).any()):
+            raise RuntimeError(f"grouped_matmul: negative token count {int(counts.min())}")
+        if int(counts.sum()) != rows:
+            raise RuntimeError(f"grouped_matmul: tokens_per_expert sums to {int(counts.sum())} but x has {rows} rows")
 
 
 def _group_list(counts, x, experts):
     """torch_npu's group_list_type=0 form: the int64 cumulative counts on x's device. Host counts are checked and
     copied; counts already on the device stay there (no host sync)."""
-    _check_counts(counts, experts, x.shape[0])
+    check_counts(counts, experts, x.shape[0])
     return torch.cumsum(counts.to(torch.int64), 0).to(x.device, non_blocking=True)
 
 
@@ -95,7 +100,7 @@ def npu_fwd(x, weights, tokens_per_expert):
     group_list_type=1, refuses a length-1 list). One local expert (EP with one expert per rank) is a plain matmul."""
     experts = weights.shape[0]
     if experts == 1:
-        _check_counts(tokens_per_expert, 1, x.shape[0])
+        check_counts(tokens_per_expert, 1, x.shape[0])
         return x @ weights[0]
     if x.shape[0] == 0 or not npu_serves(x, weights):
         return reference_fwd(x, weights, tokens_per_expert)
@@ -136,7 +141,7 @@ def npu_bwd(dy, x, weights, tokens_per_expert):
     (_weight_grad); no host sync when the counts are on the device."""
     experts = weights.shape[0]
     if experts == 1:
-        _check_counts(tokens_per_expert, 1, x.shape[0])
+        check_counts(tokens_per_expert, 1, x.shape[0])
         return dy @ weights[0].t(), (x.t() @ dy).unsqueeze(0)
     if x.shape[0] == 0 or not npu_serves(x, weights):
         return reference_bwd(dy, x, weights, tokens_per_expert)
@@ -170,7 +175,9 @@ SPECS = register(
 def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """Expert GEMMs over token-sorted rows: y[rows of e] = x[rows of e] @ weights[e] (counts: placed_counts)."""
     ensure(x.device.type)
-    return op("grouped_matmul_fwd")(x, weights, placed_counts(x, tokens_per_expert))
+    counts = placed_counts(x, tokens_per_expert)
+    check_counts(counts, weights.shape[0], x.shape[0])
+    return op("grouped_matmul_fwd")(x, weights, counts)
 
 
 def placed_counts(x: torch.Tensor, tokens_per_expert) -> torch.Tensor:

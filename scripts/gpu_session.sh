@@ -13,11 +13,14 @@
 #                                                 and issue 40's varlen op on CUDA, packed training and its benchmark
 #   bash scripts/gpu_session.sh vlm [OUTPUT_DIR]  issue 40's device benchmark: Qwen2.5-VL-3B's shapes packed to 4096
 #                                                 tokens, fused kernels off and on, beside transformers' own loop
+#   bash scripts/gpu_session.sh native-errors [OUTPUT_DIR]  issue 53: a native TORCH_CHECK per library (CPU, CUDA)
+#                                                 raised as a RuntimeError, with the GPU hidden, without OpenMP, and
+#                                                 which unwinder the throw binds to (about 3 minutes)
 # Wheels the machine lacks and a trimmed Megatron-LM come from .whl/ and .mlm/, which
 # scripts/gpu_session_prepare.sh fills on the host (carry both).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: gpu_session.sh ops|e2e|activation|optimizer|followup|vlm [OUTPUT_DIR]}
+part=${1:?usage: gpu_session.sh ops|e2e|activation|optimizer|followup|vlm|native-errors [OUTPUT_DIR]}
 out=${2:-${OUT:-gpu-results}}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -78,6 +81,24 @@ if [ "$part" = optimizer ]; then
         run "check_${flags// /_}" python3 -m mm_adaptor.cli check --layout single $flags
     done
     bench optimizer_bench python3 "$repo"/benchmarks/optimizer_memory.py --device cuda
+    exit $status
+fi
+if [ "$part" = native-errors ]; then
+    # Issue 53: a TORCH_CHECK leaving the native library killed pytest with SIGSEGV on one H100 machine (CPU library).
+    # Each step prints "RAISED True ..." where the error came back as a RuntimeError; a signal fails the step.
+    errors=(python3 -X faulthandler -m pytest -q -p no:cacheprovider -c "$repo/pyproject.toml" --rootdir "$repo"
+            "$repo/tests/ops/test_builder.py" -k "native_error or concurrent_processes" -rs)
+    run torch_own_error python3 -c "import torch
+try: torch.mm(torch.ones(2, 3), torch.ones(2, 3))
+except RuntimeError as e: print('RAISED torch', str(e).splitlines()[0])"
+    run native_errors "${errors[@]}"
+    run native_errors_gpu_hidden env CUDA_VISIBLE_DEVICES= "${errors[@]}"
+    run native_errors_no_openmp env MM_ADAPTOR_OPS_DROP_FLAGS=-fopenmp "${errors[@]}"
+    # which unwinder and C++ runtime the throw binds to (libgcc_s / libstdc++ from the system or from torch's wheel)
+    run unwinder_bindings bash -c "LD_DEBUG=bindings python3 -c 'import torch, mm_adaptor.ops as o
+o.library.ensure(\"cpu\")
+try: o.library.op(\"grouped_matmul_fwd\")(torch.randn(5, 3), torch.randn(2, 3, 4), torch.tensor([1, 3]))
+except RuntimeError as e: print(\"RAISED\", e)' 2>&1 | grep -E '_Unwind_RaiseException|__cxa_throw|__gxx_personality_v0|RAISED' | sort -u | head -20"
     exit $status
 fi
 if [ "$part" = followup ]; then

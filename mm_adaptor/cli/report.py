@@ -76,6 +76,8 @@ def report_lines():
     lines.append(f"native ops ({', '.join(ops['ops'])})")
     for device, state in ops["devices"].items():
         lines.append(f"  {device:<20} {state}")
+    for device, build in ops["builds"].items():
+        lines.append(f"  {device + ' build':<20} {build}")
     lines.append(f"  {'note':<20} {ops['note']}")
     lines.append(f"  {'cache':<20} {ops['cache']}")
     lines.append("")

@@ -75,9 +75,11 @@ class GroupedExpertLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, tokens_per_expert, *weights):
+        from mm_adaptor.ops.grouped_matmul import check_counts
         from mm_adaptor.ops.library import ensure, op
 
         ensure(x.device.type)
+        check_counts(tokens_per_expert, len(weights), x.shape[0])
         ctx.save_for_backward(x, tokens_per_expert, *weights)
         return op("grouped_matmul_fwd")(x, torch.stack(weights).transpose(1, 2), tokens_per_expert)
 

@@ -1,5 +1,6 @@
 """The builder: many processes starting together build once and all load the result; CUDA sources compile."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mm_adaptor.ops import builder
 
@@ -15,6 +17,25 @@ LOAD_AND_USE = ("import torch, mm_adaptor.ops as o\n"
                 "s = o.library.status()['cpu']\n"
                 "assert s['native'], s\n"
                 "print('LOADED', s['why'])\n")
+# A TORCH_CHECK inside the native library (grouped_matmul's counts, past the Python-side check): a RuntimeError that
+# names the C++ source, never a signal (issue 53: it killed the process with SIGSEGV on one GPU machine).
+NATIVE_ERROR = ("import sys, torch, mm_adaptor.ops as o\n"
+                "device = sys.argv[1] if len(sys.argv) > 1 else 'cpu'\n"
+                "o.library.ensure(device)\n"
+                "assert o.library.status()[device]['native'], o.library.status()\n"
+                "x, w = torch.randn(5, 3, device=device), torch.randn(2, 3, 4, device=device)\n"
+                "try:\n"
+                "    o.library.op('grouped_matmul_fwd')(x, w, torch.tensor([1, 3]))\n"
+                "except RuntimeError as e:\n"
+                "    print('RAISED', 'grouped_matmul.cpp' in str(e), str(e).splitlines()[0])\n")
+
+
+# c10's message then names the source and line of the TORCH_CHECK (the reference raises the same words in Python)
+NAMES_THE_SOURCE = {"TORCH_SHOW_CPP_STACKTRACES": "1", "TORCH_DISABLE_ADDR2LINE": "1"}
+
+
+def assert_native_error_raised(out: str) -> None:
+    assert "RAISED True grouped_matmul: tokens_per_expert sums to 4 but x has 5 rows" in out, out
 
 
 def test_concurrent_processes_build_once_and_all_load(tmp_path):
@@ -23,16 +44,50 @@ def test_concurrent_processes_build_once_and_all_load(tmp_path):
     root = builder.cache_root() if builder.cached_library("cpu") is None else tmp_path
     log = root / "builds.log"
     earlier = len(log.read_text().splitlines()) if log.exists() else 0
-    env = dict(os.environ, MM_ADAPTOR_OPS_CACHE=str(root))
-    procs = [subprocess.Popen([sys.executable, "-c", LOAD_AND_USE], env=env, stdout=subprocess.PIPE,
+    env = dict(os.environ, MM_ADAPTOR_OPS_CACHE=str(root), **NAMES_THE_SOURCE)
+    procs = [subprocess.Popen([sys.executable, "-c", LOAD_AND_USE + NATIVE_ERROR], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(4)]
     outputs = [p.communicate(timeout=900) for p in procs]
     for proc, (out, err) in zip(procs, outputs):
         assert proc.returncode == 0, err[-2000:]
         assert "LOADED native cpu kernels" in out
+        assert_native_error_raised(out)
     builds = log.read_text().splitlines()[earlier:]
     assert len(builds) == 1, builds
+    recorded = json.loads((root / f"cpu-{builder.cache_key('cpu')}" / "build.json").read_text())
+    assert recorded == builder.build_info("cpu"), recorded
     assert sum("building native cpu ops" in err for _, err in outputs) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (scripts/gpu_session.sh runs it on one)")
+def test_a_native_error_in_the_cuda_library_is_a_runtime_error():
+    done = subprocess.run([sys.executable, "-c", NATIVE_ERROR, "cuda"], capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, **NAMES_THE_SOURCE))
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert_native_error_raised(done.stdout)
+
+
+def test_the_instruction_set_is_an_explicit_level_in_the_key_and_the_build_is_recorded(monkeypatch):
+    """No -march=native (a cached build may move between machines): the highest x86-64 level the CPU lists, all
+    lower levels' features included; the key changes with it; report shows the compiler and flags."""
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    v2 = "cx16 lahf_lm popcnt sse4_1 sse4_2 ssse3"
+    v3 = v2 + " avx avx2 bmi1 bmi2 f16c fma abm movbe xsave"
+    assert builder.isa_flags(v3 + " avx512f avx512bw avx512cd avx512dq avx512vl") == ["-march=x86-64-v4"]
+    assert builder.isa_flags(v3 + " avx512f") == ["-march=x86-64-v3"]
+    assert builder.isa_flags(v3.replace(" popcnt", "")) == ["-march=x86-64"], "v3 needs v2's features too"
+    assert builder.isa_flags(v2) == ["-march=x86-64-v2"]
+    monkeypatch.setattr(builder, "_cpu_features", lambda: "flags : " + v2)
+    key = builder.cache_key("cpu")
+    assert not any("native" in flag for flag in builder.cxx_flags("cpu")), builder.cxx_flags("cpu")
+    monkeypatch.setattr(builder, "_cpu_features", lambda: "flags : " + v3)
+    assert builder.cache_key("cpu") != key
+    monkeypatch.setenv(builder.DROP_FLAGS_ENV, "-fopenmp")
+    assert "-fopenmp" not in builder.cxx_flags("cpu")
+    info = builder.build_info("cpu")
+    assert info["cxx_flags"] == " ".join(builder.cxx_flags("cpu")) and info["compiler"], info
 
 
 def test_cache_key_follows_sources_and_torch(monkeypatch, tmp_path):

@@ -167,9 +167,16 @@ def test_grouped_matmul(dtype, counts, device):
             assert torch.count_nonzero(dw[e]) == 0, "an expert without tokens gets a zero gradient"
 
 
-def test_grouped_matmul_rejects_wrong_counts():
-    with pytest.raises(RuntimeError, match="sums to 4 but x has 5 rows"):
-        ops.grouped_matmul(torch.randn(5, 3), torch.randn(2, 3, 4), torch.tensor([1, 3]))
+def test_grouped_matmul_rejects_wrong_counts_before_the_native_call(monkeypatch):
+    """Host counts are checked in Python: the native kernel (its own TORCH_CHECK: test_builder.py) is never called."""
+    import importlib
+
+    module = importlib.import_module("mm_adaptor.ops.grouped_matmul")  # the package's name is the function
+    monkeypatch.setattr(module, "op", lambda name: pytest.fail(f"{name} was called with wrong counts"))
+    for counts, message in (([1, 3], "sums to 4 but x has 5 rows"), ([6, -1], "negative token count -1"),
+                            ([5], "has 1 entries for 2 experts")):
+        with pytest.raises(RuntimeError, match=message):
+            ops.grouped_matmul(torch.randn(5, 3), torch.randn(2, 3, 4), torch.tensor(counts))
 
 
 def test_autograd_formulas_gradcheck():

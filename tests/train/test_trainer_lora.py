@@ -224,8 +224,8 @@ EP2_ETP2 = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size",
 def test_expert_adapters_train_alike_at_ep2_x_etp2_and_export_to_peft(tmp_path):
     """Qwen3-VL-MoE with adapters on every expert (and attention): the same losses at EP1, EP2 and EP2 x expert-TP2
     with sequence parallelism (4 ranks; measured 0 to 8.6e-8 relative), and at EP2 with --moe-zero-memory level1
-    exactly EP2's; broken variant (2.4e-4): the expert factors' gradients not summed over the expert-TP group. The EP2 x ETP2 save exports to peft's adapters of transformers'
-    fused experts, which give our model's logits."""
+    exactly EP2's; broken variant (2.4e-4): the expert factors' gradients not summed over the expert-TP group. The
+    EP2 x ETP2 save exports to peft's adapters of transformers' fused experts, which give our model's logits."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText

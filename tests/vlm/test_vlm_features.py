@@ -3,10 +3,10 @@ against unpatched Megatron, batched into three comparisons (TP2 with sequence pa
 each member's wrappers must have run. VPP (--vpp-extra-warmup) is refused by the model in one line.
 
 `--model qwen3_vl_moe-tiny` (vision tower, DeepStack, interleaved mrope, MoE layers) the same way, four groups at
-TP2 with sequence parallelism; --use-fused-gmm serves its experts, --moe-zero-memory dispatches them again. --use-flash-attn is compared with the vision
-tower frozen (the fine-tuning recipes' setting): with the tower trained, the patch embedding's weight gradient
-differs by 4.6e-8 relative at step 1, 3.0x the calibrated limit (the frame mask's softmax summed in blocks); every
-other statistic is inside it. Measured 2026-11-26."""
+TP2 with sequence parallelism; --use-fused-gmm serves its experts, --moe-zero-memory dispatches them again.
+--use-flash-attn is compared with the vision tower frozen (the fine-tuning recipes' setting): with the tower trained,
+the patch embedding's weight gradient differs by 4.6e-8 relative at step 1, 3.0x the calibrated limit (the frame
+mask's softmax summed in blocks); every other statistic is inside it. Measured 2026-11-26."""
 
 import pytest
 
