@@ -57,7 +57,8 @@ class HybridRun(composition.Run):
 def runs() -> list[HybridRun]:
     """Two ranks each: the exact serving features in one run (a virtual pipeline if one needs it), the inexact ones
     that need no experts in one TP2+SP run (one refused beside them in a run of its own), and on MoE layers
-    ('*E*E', EP2) those that need experts with the exact ones that act per layer again."""
+    ('*E*E', EP2) those that need experts with the exact ones that act per layer again (again, one refused beside
+    them alone)."""
     needs = {f.name: composition.needs_of(f).parallel for f in SERVING}
     exact = tuple(f for f in SERVING if f.tolerance.exact)
     dense = tuple(f for f in SERVING if not f.tolerance.exact and "moe" not in needs[f.name])
@@ -73,8 +74,13 @@ def runs() -> list[HybridRun]:
     if together:
         groups.append(HybridRun(tuple(together), frozenset({"tp"}).union(*(needs[f.name] for f in together))))
     groups += [HybridRun((feature,), needs[feature.name]) for feature in alone]
-    if moe:
-        groups.append(HybridRun(moe, frozenset({"moe"}).union(*(needs[f.name] for f in moe))))
+    if moe:  # a feature refused beside the others (--moe-zero-memory level1 beside grouped GEMMs) runs alone
+        together, alone = [], []
+        for feature in moe:
+            parallel = frozenset({"moe"}).union(*(needs[f.name] for f in (*together, feature)))
+            (together if composition.refusal((*together, feature), parallel) is None else alone).append(feature)
+        groups.append(HybridRun(tuple(together), frozenset({"moe"}).union(*(needs[f.name] for f in together))))
+        groups += [HybridRun((feature,), frozenset({"moe"}) | needs[feature.name]) for feature in alone]
     return groups
 
 
@@ -122,6 +128,8 @@ def test_serving_features_pass_check_on_a_hybrid_model(run):
                 assert freed > 0, (label, freed)  # the activation's output is no longer kept
     if "vpp-extra-warmup" in names:
         assert on["feature_statistics"]["vpp-extra-warmup"]["schedules extended"] > 0
+    if "moe-zero-memory" in names:  # the 'E' layers' experts released their input and dispatched it again
+        assert on["feature_statistics"]["moe-zero-memory"]["experts' inputs dispatched again"] > 0
 
 
 def hybrid_args(*argv: str, nproc: int = 2):
