@@ -4,7 +4,7 @@ backward and get it back by dispatching and computing again (patches/transformer
 from collections import Counter
 
 from mm_adaptor.core.features import Feature, Flag, Tolerance, refuse_unless_local_spec, register
-from mm_adaptor.core.verification import BASE_RELEASE, NO_GPU, ON_0_19_2, same_everywhere
+from mm_adaptor.core.verification import BASE_RELEASE, EP2_BF16, NO_GPU, ON_0_19_2, fake_npu_check, same_everywhere
 
 MAIN = "--moe-zero-memory"
 NUM_LAYERS = "--moe-zero-memory-num-layers"
@@ -16,7 +16,7 @@ MOE_LAYER = "megatron.core.transformer.moe.moe_layer.MoELayer"
 class MoEZeroMemory(Feature):
     name = "moe-zero-memory"
     verified_on = {"0.16.1": BASE_RELEASE, "0.19.0": ON_0_19_2}
-    devices = same_everywhere(NO_GPU)
+    devices = same_everywhere(NO_GPU, fake_npu_check(EP2_BF16 + ", level0 beside --use-fused-gmm"))
     refusal_probes = (
         ("N without level1", {"moe_zero_memory": "level0", "moe_zero_memory_num_layers": 1, "num_experts": 4}),
         ("a model without experts", {"moe_zero_memory": "level0"}),

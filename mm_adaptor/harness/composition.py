@@ -32,7 +32,7 @@ NEEDS: dict[str, Needs] = {
     # its main flag takes the size; the ring, on the smallest CP group
     "context-parallel": Needs(frozenset({"cp"}), feature_args=("2", "--context-parallel-algo", "megatron_cp_algo")),
     "fused-gmm": Needs(frozenset({"moe"}), ("--moe-grouped-gemm", "--disable-bias-linear")),
-    "moe-zero-memory": Needs(frozenset({"moe"}), ("--disable-bias-linear",), feature_args=("level1",)),
+    "moe-zero-memory": Needs(frozenset({"moe"}), ("--disable-bias-linear",), feature_args=("level0",)),
     "reuse-fp32-param": Needs(base_args=("--bf16",)),
     "swap-attention": Needs(feature_args=("--swap-min-bytes", "0")),  # the tiny model's tensors are all small
     "swap-optimizer": Needs(frozenset({"distopt"})),

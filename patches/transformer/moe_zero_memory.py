@@ -109,6 +109,7 @@ def routed_experts_compute_releasing_input(statistics=None):
             storage = delivered.get("storage")
             if storage and t.untyped_storage().data_ptr() == storage:
                 packed = Redispatched(source, t)
+                source.pending += 1
                 if statistics is not None:
                     statistics["saved expert inputs released"] += 1
             else:
@@ -136,24 +137,43 @@ def _unpack(packed):
 
 
 class Redispatch:
-    """One micro-batch's expert input in one layer, dispatched again on demand (once, for all who saved it)."""
+    """One micro-batch's expert input in one layer, dispatched again once in backward for all who saved it, and let
+    go when the last of them has it (not at the end of the whole backward)."""
 
     def __init__(self, layer, hidden_states, probs, routing_map, dispatcher_state, statistics=None):
         self.layer, self.hidden_states, self.probs, self.routing_map = layer, hidden_states, probs, routing_map
         self.dispatcher_state = dispatcher_state
         self.statistics = statistics
         self.delivered = None
+        self.pending = 0  # saved views not unpacked yet
+        self.released = False
 
     def before_experts_backward(self, grad):
-        self.get()
+        # (with one local expert its output is this tensor, whose recompute hook, registered first, may have had it)
+        if not self.released:
+            self.get()
+            if not self.pending:  # this rank's experts saved none of it: the collective is all it takes part in
+                self.release()
         return grad
 
     def get(self) -> torch.Tensor:
+        if self.released:  # dispatching again on one rank alone would hang the others
+            raise RuntimeError("--moe-zero-memory: the experts' input was asked for again after every saved view "
+                               "had it")
         if self.delivered is None:
             self.delivered = self.dispatch_again()
             if self.statistics is not None:
                 self.statistics["experts' inputs dispatched again"] += 1
         return self.delivered
+
+    def unpacked(self, view: torch.Tensor) -> torch.Tensor:
+        self.pending -= 1
+        if not self.pending:
+            self.release()
+        return view
+
+    def release(self) -> None:
+        self.delivered, self.released = None, True
 
     def dispatch_again(self) -> torch.Tensor:
         layer = self.layer
@@ -179,7 +199,7 @@ class Redispatched:
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
 
     def unpack(self) -> torch.Tensor:
-        return self.source.get().as_strided(self.size, self.stride, self.offset)
+        return self.source.unpacked(self.source.get().as_strided(self.size, self.stride, self.offset))
 
     def memory_residence(self) -> tuple[str, object, int]:
         """The bytes this keeps: the layer input the dispatch starts again from (counted once, whoever saved it)."""

@@ -57,6 +57,21 @@ def test_level1_in_the_first_layer_level0_in_the_second():
     assert drops(result) == {"layer 1": expected_drop("level1", 4), "layer 2": expected_drop("level0", 4)}
 
 
+def test_level0_beside_grouped_gemms_on_fused_gmm():
+    """--moe-grouped-gemm on --use-fused-gmm in both runs: the grouped GEMM keeps the experts' input, released here
+    as SequentialMLP's is; the activation kept as recompute-activation-function's test counts it (0.16's GroupedMLP
+    keeps its fused activation's output alone)."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    result = check("level0", [*EVERY_EXPERT, "--disable-bias-linear", "--moe-grouped-gemm", "--use-fused-gmm"])
+    rows = LOCAL_EXPERTS * EXPERT_TOKENS
+    kept = 1 if Version(importlib.metadata.version("megatron-core")) < Version("0.17") else 4
+    want = (rows * HIDDEN + kept * rows * SWIGLU_FFN) * 4
+    assert drops(result) == {"layer 1": want, "layer 2": want}
+
+
 TOP2_ALLTOALL = ["--swiglu", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
                  "--disable-bias-linear", "--num-layers", "2", "--num-experts", "4"]
 

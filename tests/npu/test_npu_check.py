@@ -23,7 +23,7 @@ RUNS = {
                         "--recompute-activation-function", "--swap-attention", "--swap-min-bytes", "0"],
                        ["--num-layers", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
                         "--use-distributed-optimizer", *MODEL]),
-    "ep2_moe_bf16": (["--use-fused-gmm", "--reuse-fp32-param"],
+    "ep2_moe_bf16": (["--use-fused-gmm", "--reuse-fp32-param", "--moe-zero-memory", "level0"],
                      ["--num-layers", "2", "--num-experts", "4", "--expert-model-parallel-size", "2", *MODEL,
                       "--moe-grouped-gemm", "--disable-bias-linear", "--bf16"]),
     "cp2_ring": (["--context-parallel-size", "2", "--context-parallel-algo", "megatron_cp_algo"],
