@@ -23,22 +23,15 @@ LEVEL_ATTR = "_mm_moe_zero_memory"  # on a MoELayer: "level0" or "level1"
 _ROUTE_ATTR = "_mm_moe_zero_memory_route"  # this micro-batch's layer input, routing and dispatcher state
 
 
-def mark_moe_layer(layer, level: str) -> bool:
-    """Give one transformer layer's MoE block its level; False where the layer has no MoE block."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    moe = getattr(layer, "mlp", None)
-    if not isinstance(moe, MoELayer):
-        return False
+def _mark_moe(moe, level: str) -> None:
+    """Give one MoE block its level: its routed experts' MLPs, and its shared experts unless megatron recomputes
+    them whole."""
     setattr(moe, LEVEL_ATTR, level)
     scope = rc.WITH_FC1 if level == "level1" else True
-    rc._mark_mlp(moe, scope)
-    config = moe.config
+    rc.mark_mlp(moe, scope)
     shared = getattr(moe, "shared_experts", None)
-    shared_recomputed = "shared_experts" in (getattr(config, "recompute_modules", None) or [])
-    if shared is not None and not shared_recomputed:
+    if shared is not None and "shared_experts" not in (getattr(moe.config, "recompute_modules", None) or []):
         rc.mark(shared, scope)
-    return True
 
 
 def levels_for(count: int, level: str, level1_layers: int | None) -> list[str]:
@@ -49,15 +42,11 @@ def levels_for(count: int, level: str, level1_layers: int | None) -> list[str]:
 
 
 def _mark(layers: list, indices, level: str, level1_layers: int | None) -> None:
-    moe_layers = [layers[i] for i in indices if _has_moe(layers[i])]
-    for layer, layer_level in zip(moe_layers, levels_for(len(moe_layers), level, level1_layers)):
-        mark_moe_layer(layer, layer_level)
-
-
-def _has_moe(layer) -> bool:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    return isinstance(getattr(layer, "mlp", None), MoELayer)
+    blocks = [moe for moe in (getattr(layers[i], "mlp", None) for i in indices) if isinstance(moe, MoELayer)]
+    for moe, moe_level in zip(blocks, levels_for(len(blocks), level, level1_layers)):
+        _mark_moe(moe, moe_level)
 
 
 def block_init_marking(level: str, level1_layers: int | None):

@@ -139,7 +139,7 @@ def mark(mlp, scope=True) -> None:
         setattr(mlp, RECOMPUTE_ATTR, scope)
 
 
-def _mark_mlp(mlp, scope=True) -> int:
+def mark_mlp(mlp, scope=True) -> int:
     """Mark a layer's MLP (dense, SequentialMLP experts, GroupedMLP); returns how many were marked."""
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.moe import experts as moe_experts
@@ -182,7 +182,7 @@ def block_init_marking_layers(num_layers_option: int | None):
         for index in layers_to_mark(len(layers), instance.config, num_layers_option):
             mlp = getattr(layers[index], "mlp", None)
             if mlp is not None:
-                _mark_mlp(mlp)
+                mark_mlp(mlp)
         return result
 
     return wrapper
@@ -201,7 +201,7 @@ def stack_init_marking_layers(num_layers_option: int | None):
         recomputed_whole = set(range(layers_to_mark(len(layers), instance.config, None).start))
         for index in chosen:
             if index not in recomputed_whole:
-                _mark_mlp(layers[index].mlp)
+                mark_mlp(layers[index].mlp)
         return result
 
     return wrapper

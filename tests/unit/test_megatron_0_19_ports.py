@@ -55,7 +55,7 @@ def test_recompute_activation_marks_layers_without_grouped_mlp(monkeypatch):
     without_grouped_mlp(monkeypatch)
     layer = torch.nn.Module()
     layer.experts = torch.nn.Linear(2, 2)  # neither SequentialMLP nor (gone) GroupedMLP
-    assert rc._mark_mlp(layer) == 0
+    assert rc.mark_mlp(layer) == 0
 
 
 @pytest.mark.parametrize("mla_rotary_interleaved", [True, None])
