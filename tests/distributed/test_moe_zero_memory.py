@@ -1,7 +1,7 @@
 """--moe-zero-memory against unpatched Megatron, bit-for-bit: level0 at EP2 (allgather dispatcher, bf16), level1 at
 EP2 (alltoall), EP2 x TP2 and EP4 (4 ranks), and under PP2 with several micro-batches in flight (the dispatcher's
 state of the micro-batch that dispatches again); the saved-activation bytes per MoE layer drop by the docs' formula
-to the byte; a re-dispatched input one ulp off fails the harness."""
+to the byte; a re-dispatched input one ulp off fails the harness, in fp32 and bf16."""
 
 import pytest
 
@@ -91,11 +91,13 @@ def test_level1_pp2_dispatches_each_micro_batch_with_its_own_state():
     assert all(drop > 0 for drop in drops(result).values()), drops(result)
 
 
-def test_a_re_dispatched_input_one_ulp_off_fails():
-    """The unpatched run is test_level1_ep2_alltoall's (cached)."""
+@pytest.mark.parametrize("precision", [["--moe-token-dispatcher-type", "alltoall"], ["--bf16"]], ids=["fp32", "bf16"])
+def test_a_re_dispatched_input_one_ulp_off_fails(precision):
+    """The unpatched runs are test_level1_ep2_alltoall's and test_level0_ep2_allgather_bf16's (cached); one ulp is
+    of the input's own dtype."""
     with harness.extra_feature_module("broken_moe_zero_memory_feature"):
         result = harness.compare(["--use-test-moe-zero-memory-one-ulp-off"], layout="ep2-moe",
-                                 extra_args=[*EVERY_EXPERT, "--moe-token-dispatcher-type", "alltoall"], iters=3)
+                                 extra_args=[*EVERY_EXPERT, *precision], iters=3)
     assert not result.passed
     assert result.grads.failures, "the wrong input reaches the experts' weight gradients"
     stats = result.memory_on["feature_statistics"]["test-moe-zero-memory-one-ulp-off"]
