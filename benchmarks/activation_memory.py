@@ -5,7 +5,11 @@
 Per configuration: median step time (forward + backward) and the saved activations at the end of forward, per
 residence (device / host), from mm_adaptor.devices.memory's accountant; on CUDA also the step's peak allocated
 memory above what was allocated before it; on the CPU the peak growth of the process's resident memory (sampled),
-where the "host" copy is RAM too, so swap attention saves nothing physical.
+where the "host" copy is RAM too, so swap attention saves nothing physical. For the swap configurations also which
+layers swapped (swapped / layers: under the default --swap-select bandwidth the block's last layer never, the others
+as the link timed in the first two steps allows; chosen from the third step, so the timed steps use the choice with
+--warmup 2 or more) and the link's rate achieved by the timed copies out (GB/s; on the CPU a memcpy timed on the host
+clock, not a link). "swap attention all" (--swap-select all: every layer, the last included) is opt-in (--configs).
 
     python benchmarks/activation_memory.py                      # the device torch sees (CUDA if any), bf16 on CUDA
     python benchmarks/activation_memory.py --device cpu --steps 2 --warmup 1
@@ -44,6 +48,8 @@ CONFIGS = {
     "swap attention": ["--swap-attention"],
     "both": ["--recompute-activation-function", "--swap-attention"],
 }
+# accepted by --configs, not run unless named
+OPTIONAL_CONFIGS = {"swap attention all": ["--swap-attention", "--swap-select", "all"]}
 # --experts N: MoE layers (EP1, the alltoall dispatcher) and these configurations by default
 MOE_CONFIGS = {
     "unpatched": [],
@@ -89,6 +95,7 @@ def parse_args(argv=None):
     p.add_argument("--topk", type=int, default=2, help="experts per token, with --experts")
     p.add_argument("--configs", default=None,
                    help=f"comma-separated subset of: {', '.join(CONFIGS)} ({', '.join(MOE_CONFIGS)} with --experts); "
+                        f"opt-in: {', '.join(OPTIONAL_CONFIGS)}; "
                         f"or megatron-core's own: "
                         f"{NATIVE_RECOMPUTE}M[+M...] (recompute_modules), {NATIVE_OFFLOAD}M[+M...] (offload_modules)")
     p.add_argument("--native", action="store_true",
@@ -97,6 +104,7 @@ def parse_args(argv=None):
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     known = MOE_CONFIGS if args.experts else CONFIGS
     names = (args.configs or ",".join(known)).split(",")
+    known = known if args.experts else {**CONFIGS, **OPTIONAL_CONFIGS}
     if args.native:
         names += [n for n in (MOE_NATIVE if args.experts else NATIVE) if n not in names]
     unknown = {n for n in names if n not in known and not native_fields(n)}
@@ -321,11 +329,24 @@ def measure(args, name, flags, device):
                     times.append(time.perf_counter() - start)
                 peak = max(peak or 0, resident.growth)
         return dict(name=name, ms=statistics.median(times) * 1e3, saved_device=saved["device"],
-                    saved_host=saved["host"], peak=peak)
+                    saved_host=saved["host"], peak=peak, swap=swap_selection())
     finally:
         if offload:
             offload.close()
         mm_adaptor.disable()
+
+
+def swap_selection() -> str:
+    """"swapped/layers at G GB/s" from --swap-attention's statistics ("-" when it is off)."""
+    from mm_adaptor.api import feature_statistics
+
+    stats = feature_statistics().get("swap-attention")
+    if not stats:
+        return "-"
+    rate = stats.get("link_gb_per_s")
+    pending = " (still measuring)" if stats.get("selection_pending") else ""
+    return (f"{stats['layers_swapped']}/{stats['layers']} {stats['select']}{pending} at "
+            f"{'?' if rate is None else f'{rate:.2f}'} GB/s")
 
 
 def main(argv=None):
@@ -344,7 +365,8 @@ def main(argv=None):
           f"{device_name(args.device)}; median of {args.steps} steps after {args.warmup} warm-up", flush=True)
     rows, refused = [], []
     for name in args.configs.split(","):
-        row = measure(args, name, (MOE_CONFIGS if args.experts else CONFIGS).get(name, []), device)
+        row = measure(args, name, (MOE_CONFIGS if args.experts else {**CONFIGS, **OPTIONAL_CONFIGS}).get(name, []),
+                      device)
         if "refused" in row:
             refused.append(row)
             print(f"#   {name}: refused: {row['refused']}", file=sys.stderr, flush=True)
@@ -355,12 +377,13 @@ def main(argv=None):
     if base is not None:
         peak_label = "peak allocated in step" if device.type == "cuda" else "peak RSS growth in step"
         print(f"| configuration | step ms | vs {base['name']} | saved on device MiB | saved in host MiB | "
-              f"{peak_label} MiB | vs {base['name']} |")
-        print("|---|---|---|---|---|---|---|")
+              f"{peak_label} MiB | vs {base['name']} | swapped layers, link |")
+        print("|---|---|---|---|---|---|---|---|")
         mib = 2 ** 20
         for r in rows:
             print(f"| {r['name']} | {r['ms']:.1f} | {r['ms'] / base['ms']:.3f}x | {r['saved_device'] / mib:.1f} | "
-                  f"{r['saved_host'] / mib:.1f} | {r['peak'] / mib:.1f} | {(r['peak'] - base['peak']) / mib:+.1f} |")
+                  f"{r['saved_host'] / mib:.1f} | {r['peak'] / mib:.1f} | {(r['peak'] - base['peak']) / mib:+.1f} | "
+                  f"{r['swap']} |")
     for row in refused:
         print(f"# {row['name']}: refused by megatron-core {package_version('megatron-core')}: {row['refused']}")
     parallel_state.destroy_model_parallel()

@@ -1,5 +1,6 @@
-"""--swap-attention [--swap-modules ...] [--swap-prefetch-distance D] [--swap-min-bytes N]: what the attention
-block saves for backward waits in host memory between a layer's forward and its backward."""
+"""--swap-attention [--swap-modules ...] [--swap-prefetch-distance D] [--swap-min-bytes N] [--swap-select S]: what
+the attention block saves for backward waits in host memory between a layer's forward and its backward, in the layers
+whose copies the host link can hide (all of them with --swap-select all)."""
 
 from mm_adaptor.feature_flags._refusals import cuda_graph_refusal
 from mm_adaptor.core.features import Feature, Flag, Tolerance, refuse_unless_local_spec, register
@@ -10,7 +11,12 @@ MAIN = "--swap-attention"
 MODULES = "--swap-modules"
 DISTANCE = "--swap-prefetch-distance"
 MIN_BYTES = "--swap-min-bytes"
+SELECT = "--swap-select"
 DEFAULT_MIN_BYTES = 64 * 1024
+SELECT_MODES = ("bandwidth", "all")  # the patch module's, kept here so that parsing imports no torch
+DEFAULT_SELECT = "bandwidth"
+TUNING = ((MODULES, "swap_modules"), (DISTANCE, "swap_prefetch_distance"), (MIN_BYTES, "swap_min_bytes"),
+          (SELECT, "swap_select"))
 
 
 @register
@@ -24,6 +30,7 @@ class SwapAttention(Feature):
         ("tuning flag alone", {"swap_min_bytes": 0}),
         ("unknown module", {"swap_attention": True, "swap_modules": "attention"}),
         ("negative distance", {"swap_attention": True, "swap_prefetch_distance": -1}),
+        ("unknown selection", {"swap_attention": True, "swap_select": "fastest"}),
         ("uniform full recompute", {"swap_attention": True, "recompute_granularity": "full",
                                     "recompute_method": "uniform"}),
         ("with megatron's --cpu-offloading", {"swap_attention": True, "cpu_offloading": True}),
@@ -32,7 +39,8 @@ class SwapAttention(Feature):
     description = ("tensors the attention block (input norm, self-attention, post-attention norm) saves for backward "
                    "are copied to pinned host memory on a side stream during forward and their device storage let "
                    "go; each layer is copied back on another side stream when the layer D above it starts its "
-                   "backward")
+                   "backward; by default the last layer of each model chunk stays on the device and the other "
+                   "layers swap only where the measured link hides their copy (--swap-select)")
     flags = (
         Flag(MAIN, description),
         Flag(MODULES, "comma-separated TransformerLayer children to swap (default: input_layernorm,self_attention,"
@@ -42,14 +50,17 @@ class SwapAttention(Feature):
                        "backward starts)", type=int, default=None),
         Flag(MIN_BYTES, f"swap only storages of at least this many bytes (default {DEFAULT_MIN_BYTES}: below it a "
                         "copy's fixed cost outweighs what it frees)", type=int, default=None),
+        Flag(SELECT, "which layers swap: bandwidth (default: never the last layer of a model chunk; the others "
+                     "only if, at the host link's rate timed in the first two passes, their copy out ends within the "
+                     "next layer's forward) or all (every layer, the last included: the behaviour before the rule, "
+                     "for tests and for measuring it)", type=str, default=None, choices=SELECT_MODES),
     )
     tolerance = Tolerance(exact=True, why="a copy to host memory and back returns the same bits")
 
     def is_enabled(self, options) -> bool:
         # a tuning flag alone counts as asking for the feature, so that validate can refuse it
         return bool(getattr(options, "swap_attention", False)) or any(
-            getattr(options, dest, None) is not None for dest in ("swap_modules", "swap_prefetch_distance",
-                                                                  "swap_min_bytes"))
+            getattr(options, dest, None) is not None for _flag, dest in TUNING)
 
     def validate(self, options):
         refuse_unless_local_spec(self, options, refusal_for(options))
@@ -72,7 +83,8 @@ def manager_options(options) -> dict:
     min_bytes = getattr(options, "swap_min_bytes", None)
     return dict(modules=module_names(getattr(options, "swap_modules", None)),
                 prefetch_distance=1 if distance is None else distance,
-                min_bytes=DEFAULT_MIN_BYTES if min_bytes is None else min_bytes)
+                min_bytes=DEFAULT_MIN_BYTES if min_bytes is None else min_bytes,
+                select=getattr(options, "swap_select", None) or DEFAULT_SELECT)
 
 
 def patch_set(name: str, manager):
@@ -100,8 +112,7 @@ def refusal_for(options) -> str | None:
     from mm_adaptor.patches.transformer.swap_attention import KNOWN_MODULES, module_names
 
     on = bool(getattr(options, "swap_attention", False))
-    given = [flag for flag, dest in ((MODULES, "swap_modules"), (DISTANCE, "swap_prefetch_distance"),
-                                     (MIN_BYTES, "swap_min_bytes")) if getattr(options, dest, None) is not None]
+    given = [flag for flag, dest in TUNING if getattr(options, dest, None) is not None]
     if given and not on:
         return f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} {MAIN}: add {MAIN} or drop them"
     modules = getattr(options, "swap_modules", None)
@@ -112,6 +123,9 @@ def refusal_for(options) -> str | None:
         except KeyError as unknown:
             return (f"{MODULES}: {unknown.args[0]!r} is not a transformer layer module; choose from "
                     f"{','.join(KNOWN_MODULES)} (or MindSpeed's input_norm, post_attention_norm)")
+    select = getattr(options, "swap_select", None)
+    if select is not None and select not in SELECT_MODES:
+        return f"{SELECT} {select!r}: choose {' or '.join(SELECT_MODES)}"
     for flag, dest in ((DISTANCE, "swap_prefetch_distance"), (MIN_BYTES, "swap_min_bytes")):
         value = getattr(options, dest, None)
         if value is not None and value < 0:

@@ -12,11 +12,20 @@ overwritten under another holder.
 Backward: when layer L's output gradient arrives (its backward starts), layers L .. L - distance of the same block
 pass (micro-batch, virtual stage) are copied back on the prefetch stream into fresh device storage; unpacking
 waits for that copy only, and fetches on demand if no prefetch came. Handles rebuild each tensor as a view of the
-restored storage, so views that shared a storage share it again."""
+restored storage, so views that shared a storage share it again.
+
+Which layers swap (`select`): "all" swaps every layer marked at build time. "bandwidth" (the default) never swaps
+the last layer of a block pass (the last layer of the model chunk the rank runs: its copy out would turn straight
+into a copy back as forward turns into backward) and, of the others, only those whose copy fits the link: the first
+MEASURED_PASSES passes of each block (one per micro-batch and virtual stage) swap every candidate and are timed with
+the backend's events (device events on CUDA and NPU, the host clock on the CPU); from the next pass on, a layer
+swaps only if its copy, at the link's measured rate, ends by the time the next layer's forward ends: its bytes over
+the measured bytes per second at most the next layer's forward time (select_layers)."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import weakref
@@ -30,6 +39,11 @@ DEFAULT_MODULES = ("input_layernorm", "self_attention", "pre_mlp_layernorm")
 KNOWN_MODULES = ("input_layernorm", "self_attention", "pre_cross_attn_layernorm", "cross_attention",
                  "pre_mlp_layernorm", "mlp")
 ALIASES = {"input_norm": "input_layernorm", "post_attention_norm": "pre_mlp_layernorm"}
+SELECT_MODES = ("bandwidth", "all")
+DEFAULT_SELECT = "bandwidth"
+# passes of a block timed before its layers are chosen; the choice uses the last (the first carries one-time costs:
+# host buffer allocation, kernel selection)
+MEASURED_PASSES = 2
 
 
 def module_names(text: str | None) -> tuple[str, ...]:
@@ -46,6 +60,82 @@ def module_names(text: str | None) -> tuple[str, ...]:
         if name not in names:
             names.append(name)
     return tuple(names)
+
+
+@dataclasses.dataclass
+class LayerTiming:
+    """One layer of a measured block pass. window_ms: compute-stream time from this layer's forward end to the next
+    layer's (to the block's end for the block's last layer), the compute its copy out runs beside; copied_bytes and
+    copy_ms: what its swap copied to host memory in that pass and how long the offload stream took (0: not swapped);
+    last: the block's last layer (never chosen)."""
+
+    number: int
+    window_ms: float
+    copied_bytes: int = 0
+    copy_ms: float = 0.0
+    last: bool = False
+
+
+def link_bytes_per_ms(timings) -> float | None:
+    """The link's achieved rate in a measured pass: bytes copied out over the offload stream's time for them."""
+    copied = sum(t.copied_bytes for t in timings)
+    ms = sum(t.copy_ms for t in timings if t.copied_bytes)
+    return copied / ms if copied and ms > 0 else None
+
+
+def gb_per_s(bytes_per_ms: float | None) -> float | None:
+    return None if bytes_per_ms is None else bytes_per_ms / 1e6
+
+
+def select_layers(timings, bytes_per_ms: float | None) -> list[bool]:
+    """Which layers of a block pass swap, in forward order: layer L if copied_bytes / bytes_per_ms <= window_ms, i.e.
+    its copy out, started when its forward ends, is done when the next layer's forward ends. (The copies of a chosen
+    layer are then done before the next layer's can start, so no copy waits behind another's.) The block's last
+    layer, layers that copied nothing and every layer without a measured rate are not chosen."""
+    return [bool(not t.last and t.copied_bytes and bytes_per_ms and t.copied_bytes / bytes_per_ms <= t.window_ms)
+            for t in timings]
+
+
+class MeasuredLayer:
+    """Timing events of one layer in a measured pass (compute stream: its forward's end; offload stream: its copies)."""
+
+    def __init__(self, number: int, last: bool, end):
+        self.number, self.last, self.end = number, last, end
+        self.copy_start = self.copy_end = None
+        self.copied_bytes = 0
+
+
+class MeasuredPass:
+    """Timing events of one block pass: its start, each layer, its end (compute stream)."""
+
+    def __init__(self, start):
+        self.start, self.end = start, None
+        self.layers: list[MeasuredLayer] = []
+
+
+def device_timings(measured: MeasuredPass) -> list[LayerTiming]:
+    """LayerTimings from a pass's events (waits for them once). The stand-in sources of the tests replace this."""
+    measured.end.synchronize()
+    timings = []
+    for index, layer in enumerate(measured.layers):
+        following = measured.layers[index + 1].end if index + 1 < len(measured.layers) else measured.end
+        copy_ms = 0.0
+        if layer.copied_bytes:
+            layer.copy_end.synchronize()
+            copy_ms = layer.copy_start.elapsed_time(layer.copy_end)
+        timings.append(LayerTiming(layer.number, layer.end.elapsed_time(following), layer.copied_bytes, copy_ms,
+                                   layer.last))
+    return timings
+
+
+class BlockPlan:
+    """What one TransformerBlock (one model chunk: a virtual stage's) swaps: every candidate while its first passes
+    are measured, then the layers select_layers chose (by layer number)."""
+
+    def __init__(self):
+        self.measured: list[MeasuredPass] = []
+        self.chosen: set[int] | None = None
+        self.timings: list[LayerTiming] | None = None
 
 
 class HostPool:
@@ -194,12 +284,16 @@ class LayerPass:
         self.after_release: list[weakref.ref] = []
         self.released = False
 
-    def offload(self, outputs: set[int]) -> None:
+    def offload(self, outputs: set[int]) -> int:
+        """Start the copies out; the bytes they copy."""
         for storage_id in outputs & self.stored.keys():  # the layer's own output: the next layer needs it
             self.stored[storage_id].state = "kept"
+        copied = 0
         for stored in self.stored.values():
             if stored.state == "device":
                 stored.offload()
+                copied += stored.nbytes if stored.state == "copying" else 0
+        return copied
 
     def release(self) -> None:
         if self.released:
@@ -215,11 +309,14 @@ class LayerPass:
 
 
 class BlockPass:
-    """One forward of one TransformerBlock (one micro-batch of one virtual stage)."""
+    """One forward of one TransformerBlock (one micro-batch of one virtual stage): its swapped layers, the plan of
+    its block, the block's last layer (kept under "bandwidth"), the timing events when measured."""
 
-    def __init__(self, ordinal: int):
+    def __init__(self, ordinal: int, plan: BlockPlan | None = None, last_layer=None,
+                 measured: MeasuredPass | None = None):
         self.ordinal = ordinal
         self.layers: list[LayerPass] = []
+        self.plan, self.last_layer, self.measured = plan or BlockPlan(), last_layer, measured
 
     def release_last(self) -> None:
         if self.layers:
@@ -244,13 +341,21 @@ def _tensors_in(value):
 class SwapManager:
     """Streams, host pool, the block pass being run, statistics; the wrappers below call into it."""
 
-    def __init__(self, modules=DEFAULT_MODULES, prefetch_distance: int = 1, min_bytes: int = 0):
+    def __init__(self, modules=DEFAULT_MODULES, prefetch_distance: int = 1, min_bytes: int = 0,
+                 select: str = DEFAULT_SELECT, timings=None):
+        """select: "bandwidth" or "all" (see the module's docstring); timings: MeasuredPass -> [LayerTiming], the
+        source of the link's rate and the layers' times (device events; tests give stand-ins)."""
+        if select not in SELECT_MODES:
+            raise ValueError(f"select {select!r}: choose from {', '.join(SELECT_MODES)}")
         self.modules = tuple(modules)
         self.prefetch_distance = prefetch_distance
         self.min_bytes = min_bytes
+        self.select = select
+        self.timings = timings if timings is not None else device_timings
         self.backend = None
         self.block: BlockPass | None = None
         self.blocks = itertools.count()
+        self.plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # block module -> BlockPlan
         self.stats = collections.Counter()
 
     def _start(self) -> None:
@@ -280,26 +385,98 @@ class SwapManager:
     def statistics(self) -> dict:
         stats = dict(self.stats)
         stats["host_pool_bytes"] = self.pool.allocated_bytes if self.backend is not None else 0
+        stats.update(self.selection())
         return stats
+
+    def selection(self) -> dict:
+        """select; layers_swapped of layers (per block, summed over this rank's blocks: chosen under "bandwidth" once
+        measured, swapped in the measured pass otherwise); link_gb_per_s: bytes over time of the timed copies out
+        (None before any); selection_pending: blocks still measuring."""
+        plans = list(self.plans.values())
+        copied = ms = swapped = layers = pending = 0
+        for plan in plans:
+            timings = plan.timings
+            if timings is None and plan.measured:
+                timings = self.timings(plan.measured[-1])
+            if timings is None:
+                pending += 1
+                continue
+            copied += sum(t.copied_bytes for t in timings)
+            ms += sum(t.copy_ms for t in timings if t.copied_bytes)
+            layers += len(timings)
+            if plan.chosen is not None:
+                swapped += len(plan.chosen)
+            else:
+                pending += 1 if self.select == "bandwidth" else 0
+                swapped += sum(1 for t in timings if t.copied_bytes)
+        rate = gb_per_s(copied / ms if copied and ms > 0 else None)
+        return {"select": self.select, "layers_swapped": swapped, "layers": layers,
+                "link_gb_per_s": None if rate is None else round(rate, 3), "selection_pending": pending}
+
+    def _timing_event(self, stream):
+        event = self.backend.stream_module().Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def _plan(self, block_module) -> BlockPlan:
+        plan = self.plans.get(block_module)
+        if plan is None:
+            plan = self.plans[block_module] = BlockPlan()
+        return plan
+
+    def _decide(self, plan: BlockPlan) -> None:
+        timings = self.timings(plan.measured[-1])
+        chosen = select_layers(timings, link_bytes_per_ms(timings))
+        plan.timings = timings
+        plan.chosen = {t.number for t, take in zip(timings, chosen) if take}
+        plan.measured = []
+
+    def _swaps(self, block: BlockPass, layer_module) -> bool:
+        if self.select == "all":
+            return True
+        if layer_module is block.last_layer:
+            return False
+        return block.plan.chosen is None or layer_module.layer_number in block.plan.chosen
 
     # TransformerBlock.forward
     def block_forward(self, wrapped, instance, args, kwargs):
         if not torch.is_grad_enabled():
             return wrapped(*args, **kwargs)
         self._start()
-        outer, self.block = self.block, BlockPass(next(self.blocks))
+        plan = self._plan(instance)
+        if plan.chosen is None and self.select == "bandwidth" and len(plan.measured) >= MEASURED_PASSES:
+            self._decide(plan)
+        measured = None
+        if plan.timings is None and len(plan.measured) < MEASURED_PASSES:
+            measured = MeasuredPass(self._timing_event(self.backend.current_stream()))
+        layers = list(getattr(instance, "layers", None) or [])
+        outer = self.block
+        self.block = BlockPass(next(self.blocks), plan, layers[-1] if layers else None, measured)
         try:
-            return wrapped(*args, **kwargs)
-        finally:
+            output = wrapped(*args, **kwargs)
+        except BaseException:
             self.block.release_last()
             self.block = outer
+            raise
+        self.block.release_last()
+        if measured is not None:
+            measured.end = self._timing_event(self.backend.current_stream())
+            plan.measured.append(measured)
+        self.block = outer
+        return output
 
     # TransformerLayer.forward
     def layer_forward(self, wrapped, instance, args, kwargs):
         block = self.block
-        if block is None or not getattr(instance, SWAP_ATTR, False) or not torch.is_grad_enabled():
+        if block is None or not torch.is_grad_enabled():
             return wrapped(*args, **kwargs)
         block.release_last()
+        if not getattr(instance, SWAP_ATTR, False) or not self._swaps(block, instance):
+            if getattr(instance, SWAP_ATTR, False) and instance is block.last_layer:
+                self.stats["last_layer_passes_kept"] += 1
+            output = wrapped(*args, **kwargs)
+            self._note_layer(block, instance)
+            return output
         hidden_states = kwargs.get("hidden_states", args[0] if args else None)
         excluded = {_storage_id(t) for t in itertools.chain(instance.parameters(), instance.buffers())}
         excluded |= {_storage_id(t) for t in _tensors_in((args, kwargs)) if t is not hidden_states}
@@ -317,12 +494,28 @@ class SwapManager:
         finally:
             for hook in hooks:
                 hook.remove()
-        layer.offload({_storage_id(t) for t in _tensors_in(output)})
+        measured = self._note_layer(block, instance)
+        if measured is not None:
+            self.offload_stream.wait_stream(self.backend.current_stream())
+            measured.copy_start = self._timing_event(self.offload_stream)
+        copied = layer.offload({_storage_id(t) for t in _tensors_in(output)})
+        if measured is not None:
+            measured.copy_end = self._timing_event(self.offload_stream)
+            measured.copied_bytes = copied
         block.layers.append(layer)
         first = output[0] if isinstance(output, tuple) else output
         if isinstance(first, torch.Tensor) and first.requires_grad:
             first.register_hook(functools.partial(self._backward_starts, block, len(block.layers) - 1))
         return output
+
+    def _note_layer(self, block: BlockPass, instance) -> MeasuredLayer | None:
+        """In a measured pass: the end of this layer's forward on the compute stream."""
+        if block.measured is None:
+            return None
+        layer = MeasuredLayer(getattr(instance, "layer_number", len(block.measured.layers) + 1),
+                              instance is block.last_layer, self._timing_event(self.backend.current_stream()))
+        block.measured.layers.append(layer)
+        return layer
 
     def pack(self, layer: LayerPass, t):
         packed = self._pack(layer, t)

@@ -1,7 +1,8 @@
 """A deliberately wrong --swap-attention, registered only for the harness's self-test (loaded into the training
 ranks through MM_ADAPTOR_FEATURE_MODULES): it swaps like the real feature, but a storage's prefetch copies back
 the host copy of the same-sized storage saved by the layer below it in the same micro-batch (the layer above for
-the lowest layer). It claims bit-for-bit and must fail, in fp32 and bf16."""
+the lowest layer). It swaps every layer, the last included (--swap-select all), so that each has a neighbour in host
+memory. It claims bit-for-bit and must fail, in fp32 and bf16."""
 
 from mm_adaptor.versions import contracts
 from mm_adaptor.core.features import BIT_FOR_BIT, Feature, Flag, register
@@ -34,7 +35,7 @@ class SwapAttentionFromAnotherLayer(Feature):
     def patch_sets(self, options):
         from mm_adaptor.feature_flags.swap_attention import patch_set
 
-        return [patch_set(self.name, _neighbour_source_manager()(min_bytes=0))]
+        return [patch_set(self.name, _neighbour_source_manager()(min_bytes=0, select="all"))]
 
 
 contracts.verified_like(SwapAttentionFromAnotherLayer.name, "swap-attention")

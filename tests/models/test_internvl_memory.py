@@ -43,7 +43,8 @@ def test_element_count_equals_transformers_model(build):
 TINY_RUN = ["--model", "internvl-tiny", "--train-iters", "1", "--micro-batch-size", "1", "--seq-length", "64",
             "--timeout", "300"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-FEATURES = ["--use-flash-attn", "--recompute-activation-function", "--swap-attention", "--swap-min-bytes", "0"]
+FEATURES = ["--use-flash-attn", "--recompute-activation-function", "--swap-attention", "--swap-min-bytes", "0",
+            "--swap-select", "all"]  # every layer swapped, the last included, as the formula assumes
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 RUNS = {  # name: (driver flags, memory.Activations fields)
     "tp1": ([], dict(bf16=False)),

@@ -1,6 +1,9 @@
 """--swap-attention: one-line refusals, --swap-modules parsing, the CPU backend's stream API, and the mechanism on a
 3-layer GPT in one rank: gradients bit-for-bit, device bytes of the swapped modules gone (but for the block's input,
-which the model still holds), host bytes equal to what left, prefetch order, on-demand fetch, pool reuse."""
+which the model still holds), host bytes equal to what left, prefetch order, on-demand fetch, pool reuse (these with
+--swap-select all, every layer swapped); the bandwidth selection (the default) with stand-in link rates and layer
+times: the block's last layer never swapped, a layer whose copy outlasts the next layer's forward not swapped, one
+that fits swapped, the reported GB/s the stand-in's bytes over time."""
 
 import argparse
 
@@ -15,7 +18,7 @@ from mm_adaptor.core.features import get
 
 def options(**kw):
     base = dict(swap_attention=True, swap_modules=None, swap_prefetch_distance=None, swap_min_bytes=None,
-                transformer_impl="local")
+                swap_select=None, transformer_impl="local")
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -28,6 +31,8 @@ def options(**kw):
     (dict(swap_modules=" , "), ["--swap-modules names no module"]),
     (dict(swap_prefetch_distance=-1), ["--swap-prefetch-distance -1"]),
     (dict(swap_min_bytes=-5), ["--swap-min-bytes -5"]),
+    (dict(swap_attention=False, swap_select="all"), ["--swap-select needs --swap-attention"]),
+    (dict(swap_select="fastest"), ["--swap-select 'fastest'", "bandwidth or all"]),
     (dict(recompute_granularity="full", recompute_method="uniform"),
      ["--recompute-granularity full", "--recompute-method uniform"]),
     (dict(cpu_offloading=True), ["--cpu-offloading"]),
@@ -49,10 +54,69 @@ def test_module_names():
 
 @pytest.mark.parametrize("kw", [dict(), dict(swap_modules="input_norm,post_attention_norm"),
                                 dict(swap_prefetch_distance=0, swap_min_bytes=0),
+                                dict(swap_select="all"), dict(swap_select="bandwidth"),
                                 dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
                                 dict(recompute_granularity="selective", recompute_modules=["core_attn"])])
 def test_accepted(kw):
     get("swap-attention").validate(options(**kw))
+
+
+def test_select_modes_are_the_patch_modules():
+    from mm_adaptor.feature_flags import swap_attention as flags
+    from mm_adaptor.patches.transformer import swap_attention as sa
+
+    assert flags.SELECT_MODES == sa.SELECT_MODES and flags.DEFAULT_SELECT == sa.DEFAULT_SELECT == "bandwidth"
+    assert flags.manager_options(options())["select"] == "bandwidth"
+    assert flags.manager_options(options(swap_select="all"))["select"] == "all"
+
+
+# the bandwidth selection with stand-in link rates and layer times (no model)
+
+
+def timing(number, window_ms, copied_bytes, copy_ms=1.0, last=False):
+    from mm_adaptor.patches.transformer.swap_attention import LayerTiming
+
+    return LayerTiming(number, window_ms, copied_bytes, copy_ms, last)
+
+
+def test_a_layer_is_chosen_only_if_its_copy_ends_within_the_next_layers_forward():
+    from mm_adaptor.patches.transformer.swap_attention import select_layers
+
+    mb_per_ms = 1e6  # 1 MB per ms: 1 GB/s
+    # layer 1: 3 MB in a 4 ms window fits; layer 2: 5 MB in 4 ms does not; layer 3 fits; layer 4 is the last
+    timings = [timing(1, 4.0, 3_000_000), timing(2, 4.0, 5_000_000), timing(3, 4.0, 4_000_000),
+               timing(4, 4.0, 1, last=True)]
+    assert select_layers(timings, mb_per_ms) == [True, False, True, False]
+    # the same bytes over a link twice as fast: all but the last fit
+    assert select_layers(timings, 2 * mb_per_ms) == [True, True, True, False]
+    # nothing copied (every storage under --swap-min-bytes) or no rate measured: nothing chosen
+    assert select_layers([timing(1, 4.0, 0), timing(2, 4.0, 0, last=True)], mb_per_ms) == [False, False]
+    assert select_layers(timings, None) == [False] * 4
+
+
+def test_the_last_layer_is_never_chosen_however_fast_the_link():
+    from mm_adaptor.patches.transformer.swap_attention import select_layers
+
+    assert select_layers([timing(7, 1e9, 1, last=True)], 1e12) == [False]
+
+
+def test_the_window_is_the_next_layers_forward_and_a_refused_layer_leaves_the_next_free():
+    from mm_adaptor.patches.transformer.swap_attention import select_layers
+
+    # layer 1's 3.5 ms copy outlasts layer 2's 2 ms forward: not swapped, so no copy of it delays layer 2's; a copy
+    # that ends exactly when the next forward does is hidden (1 MB at 1 MB/ms in a 1 ms window)
+    timings = [timing(1, 2.0, 3_500_000), timing(2, 1.0, 1_000_000), timing(3, 2.0, 0, last=True)]
+    assert select_layers(timings, 1e6) == [False, True, False]
+
+
+def test_reported_link_rate_is_bytes_over_time():
+    from mm_adaptor.patches.transformer.swap_attention import gb_per_s, link_bytes_per_ms
+
+    timings = [timing(1, 4.0, 3_000_000, copy_ms=2.0), timing(2, 4.0, 5_000_000, copy_ms=3.0),
+               timing(3, 4.0, 0, copy_ms=9.0, last=True)]
+    assert link_bytes_per_ms(timings) == 8_000_000 / 5.0
+    assert gb_per_s(link_bytes_per_ms(timings)) == 8_000_000 / 5.0 / 1e6  # 1.6 GB/s
+    assert link_bytes_per_ms([timing(1, 4.0, 0)]) is None
 
 
 def test_cpu_backend_streams_are_ordered_no_ops():
@@ -106,14 +170,17 @@ def step(model, accountant=None):
     return per_module, grads
 
 
-def run(extra, steps=1):
+def run(extra, steps=1, accounted=1):
+    """`steps` steps; (bytes per module at the end of step `accounted`'s forward, its gradients, statistics)."""
     from mm_adaptor.devices.memory import SavedTensorAccountant
 
     model = build(extra)
     try:
-        per_module, grads = step(model, SavedTensorAccountant([model]))
-        for _ in range(steps - 1):
-            step(model)
+        for number in range(1, steps + 1):
+            if number == accounted:
+                per_module, grads = step(model, SavedTensorAccountant([model]))
+            else:
+                step(model)
         return per_module, grads, get("swap-attention").statistics() if extra else None
     finally:
         mm_adaptor.disable()
@@ -136,12 +203,13 @@ def rank(unswapped):
 
 
 SWAPPED = ("input_layernorm", "self_attention", "pre_mlp_layernorm")
+ALL = ["--swap-attention", "--swap-min-bytes", "0", "--swap-select", "all"]  # every layer, the last included
 BLOCK_INPUT_BYTES = 64 * 2 * 64 * 4  # [seq, batch, hidden] fp32: the embedding's output, held by the model
 
 
 def test_bit_for_bit_and_every_byte_accounted(unswapped, rank):
     off, grads_off, _ = unswapped
-    on, grads_on, stats = run(["--swap-attention", "--swap-min-bytes", "0"])
+    on, grads_on, stats = run(ALL)
     assert grads_on.keys() == grads_off.keys()
     assert all(torch.equal(grads_on[k], grads_off[k]) for k in grads_off)
     for layer in ("layer 1", "layer 2", "layer 3"):
@@ -159,7 +227,7 @@ def test_min_bytes_keeps_small_storages_on_the_device(unswapped, rank):
     from mm_adaptor.feature_flags.swap_attention import DEFAULT_MIN_BYTES
 
     off, grads_off, _ = unswapped
-    on, grads_on, stats = run(["--swap-attention"])
+    on, grads_on, stats = run(["--swap-attention", "--swap-select", "all"])
     assert all(torch.equal(grads_on[k], grads_off[k]) for k in grads_off)
     # the tiny model saves [seq, batch, hidden] fp32 (32 KiB) tensors below the default: only larger ones move
     assert 0 < stats["offloaded_bytes"]
@@ -184,7 +252,7 @@ def test_prefetch_runs_distance_layers_ahead_and_pool_is_reused(unswapped, rank,
 
     monkeypatch.setattr(sa.StoredStorage, "prefetch", logged_prefetch)
     monkeypatch.setattr(sa.SwappedTensor, "unpack", logged_unpack)
-    _, grads, stats = run(["--swap-attention", "--swap-min-bytes", "0", "--swap-prefetch-distance", "1"], steps=2)
+    _, grads, stats = run([*ALL, "--swap-prefetch-distance", "1"], steps=2)
     first_step = events[:events.index(("unpack", 1)) + 1]
     order = [e for i, e in enumerate(first_step) if e[0] == "prefetch" and e not in first_step[:i]]
     assert order == [("prefetch", 3), ("prefetch", 2), ("prefetch", 1)]
@@ -200,9 +268,65 @@ def test_unpack_fetches_on_demand_when_no_prefetch_came(unswapped, rank, monkeyp
 
     monkeypatch.setattr(sa.SwapManager, "_backward_starts", lambda *args: None)
     _, grads_off = unswapped[:2]
-    _, grads_on, stats = run(["--swap-attention", "--swap-min-bytes", "0"])
+    _, grads_on, stats = run(ALL)
     assert all(torch.equal(grads_on[k], grads_off[k]) for k in grads_off)
     assert stats.get("prefetched", 0) == 0 and stats["fetched_on_demand"] > 0
+
+
+# the bandwidth selection (the default) on the model: measured in the first two steps, chosen from the third
+
+
+def host_per_layer(per_module):
+    return {layer: sum(per_module[layer][m]["host"] for m in SWAPPED) for layer in ("layer 1", "layer 2", "layer 3")}
+
+
+def test_bandwidth_selection_measures_every_layer_but_the_last_then_keeps_what_the_link_cannot_hide(
+        unswapped, rank, monkeypatch):
+    """Stand-in times: the link carries 1 MB per ms; layer 2's forward (layer 1's window) is far too short for layer
+    1's copy, layer 3's (layer 2's window) long enough; layer 3 is the block's last."""
+    from mm_adaptor.patches.transformer import swap_attention as sa
+
+    seen = []
+
+    def stand_in(measured):
+        seen.append([(layer.number, layer.copied_bytes, layer.last) for layer in measured.layers])
+        windows = {1: 1e-9, 2: 1e9, 3: 1e9}
+        return [sa.LayerTiming(layer.number, windows[layer.number], layer.copied_bytes, layer.copied_bytes / 1e6,
+                               layer.last) for layer in measured.layers]
+
+    monkeypatch.setattr(sa, "device_timings", stand_in)
+    _, grads_off, _ = unswapped
+    flags = ["--swap-attention", "--swap-min-bytes", "0"]
+    first, _, _ = run(flags, steps=1)
+    assert host_per_layer(first)["layer 3"] == 0, "the last layer is never swapped, not even while measuring"
+    assert host_per_layer(first)["layer 1"] > 0 and host_per_layer(first)["layer 2"] > 0
+    third, grads_on, stats = run(flags, steps=3, accounted=3)
+    assert all(torch.equal(grads_on[k], grads_off[k]) for k in grads_off)
+    assert host_per_layer(third) == {"layer 1": 0, "layer 2": host_per_layer(first)["layer 2"], "layer 3": 0}
+    numbers, copied, last = zip(*seen[-1])
+    assert numbers == (1, 2, 3) and last == (False, False, True) and copied[0] > 0 and copied[2] == 0
+    assert stats["select"] == "bandwidth" and stats["selection_pending"] == 0
+    assert (stats["layers_swapped"], stats["layers"]) == (1, 3)
+    assert stats["link_gb_per_s"] == 1.0, "bytes over the stand-in's time: 1 MB per ms"
+
+
+def test_bandwidth_selection_on_the_cpu_clock_keeps_the_last_layer(unswapped, rank):
+    """The CPU backend times copies and layers with the host clock (a stand-in for device events: the copies are
+    synchronous and the 'host' is the same RAM): whatever it chooses, the gradients are the same bits and the last
+    layer stays."""
+    _, grads_off, _ = unswapped
+    third, grads_on, stats = run(["--swap-attention", "--swap-min-bytes", "0"], steps=3, accounted=3)
+    assert all(torch.equal(grads_on[k], grads_off[k]) for k in grads_off)
+    assert host_per_layer(third)["layer 3"] == 0
+    assert stats["layers"] == 3 and stats["layers_swapped"] <= 2 and stats["selection_pending"] == 0
+    assert stats["link_gb_per_s"] > 0
+
+
+def test_select_all_swaps_the_last_layer_too_and_reports_the_link(unswapped, rank):
+    on, _, stats = run(ALL, steps=2)
+    assert all(host_per_layer(on).values())
+    assert stats["select"] == "all" and (stats["layers_swapped"], stats["layers"]) == (3, 3)
+    assert stats["link_gb_per_s"] > 0 and stats["selection_pending"] == 0
 
 
 # stream safety, with a backend whose streams record who wrote which buffer (the CPU's are no-ops)
