@@ -26,7 +26,8 @@ __all__ = ["rms_norm", "swiglu", "rotary_pos_emb", "matmul_add_fp32", "grouped_m
            "status", "build"]
 
 OP_NAMES = ("rms_norm", "swiglu", "rotary_pos_emb", "matmul_add_fp32", "grouped_matmul", "flash_attention",
-            "host_mapped_copy", "split_fp32_words", "join_fp32_words", "varlen_attention")
+            "host_mapped_copy", "split_fp32_words", "join_fp32_words", "round_split_fp32_words",
+            "join_fp32_words_multi", "varlen_attention")
 
 
 def build(device: str = "cpu", verbose: bool = True):

@@ -9,7 +9,15 @@ splits a list of tensors and reads all their counters to the host at once (count
 list, not per tensor), trims each list to its count and sorts it, and splits again the rare tensor whose
 exceptions overflowed its buffer. join writes high << 16 + residual, then the kept words at `index`. Native
 kernels: csrc/cpu/fp32_words.cpp, csrc/cuda/fp32_words.cu (one fused pass each way; the reference below needs
-int64 temporaries and several passes)."""
+int64 temporaries and several passes).
+
+The multi-tensor forms serve --reuse-fp32-param's step, one call per batch of parameters whatever their number:
+round_split_fp32_words (round_split_many) rounds each fp32 word to the bf16 model value exactly as megatron's
+copy does (nearest, ties to even), writes it, and splits the word against it in the same pass, into persistent
+residual and exception buffers of each tensor and a per-tensor device counter; join_fp32_words_multi (join_many)
+restores a batch from them. Neither reads anything back to the host: the caller reads the counters when the
+device has written them and splits again a tensor whose exceptions outnumbered its buffer (its words are still
+whole then)."""
 
 from __future__ import annotations
 
@@ -74,12 +82,43 @@ def fake_join(model, residual, index, kept, out):
     return None
 
 
+def reference_round_split(mains, models, residuals, indices, kept, counts, round_model):
+    for t, (main, model, residual, index, words) in enumerate(zip(mains, models, residuals, indices, kept)):
+        if round_model:
+            model.copy_(main.view(model.shape))  # megatron's copy on this device
+        parts = reference_split(main, model, index.numel())
+        for out, part in zip((residual, index, words, counts[t:t + 1]), parts):
+            out.copy_(part)
+
+
+def reference_join_multi(models, residuals, indices, kept, counts, outs):
+    for model, residual, index, words, count, out in zip(models, residuals, indices, kept, counts, outs):
+        listed = min(int(count), index.numel())  # the reference reads each counter (the native kernels do not)
+        reference_join(model, residual, index[:listed], words[:listed], out)
+
+
+def fake_round_split(mains, models, residuals, indices, kept, counts, round_model):
+    return None
+
+
+def fake_join_multi(models, residuals, indices, kept, counts, outs):
+    return None
+
+
 SPECS = register(
     OpSpec("split_fp32_words", "(Tensor main, Tensor model, int capacity) -> (Tensor, Tensor, Tensor, Tensor)",
            reference_split, fake_split,
            native=("cpu", "cuda")),
     OpSpec("join_fp32_words", "(Tensor model, Tensor residual, Tensor index, Tensor kept, Tensor(a!) out) -> ()",
            reference_join, fake_join, native=("cpu", "cuda")),
+    OpSpec("round_split_fp32_words",
+           "(Tensor[] mains, Tensor(a!)[] models, Tensor(b!)[] residuals, Tensor(c!)[] indices, Tensor(d!)[] kept, "
+           "Tensor(e!) counts, bool round_model) -> ()",
+           reference_round_split, fake_round_split, native=("cpu", "cuda")),
+    OpSpec("join_fp32_words_multi",
+           "(Tensor[] models, Tensor[] residuals, Tensor[] indices, Tensor[] kept, Tensor[] counts, "
+           "Tensor(a!)[] outs) -> ()",
+           reference_join_multi, fake_join_multi, native=("cpu", "cuda")),
 )
 
 
@@ -119,3 +158,26 @@ def join_fp32_words(out: torch.Tensor, model: torch.Tensor, residual, index, kep
                          f"{'contiguous' if out.is_contiguous() else 'strided'}")
     ensure(out.device.type)
     op("join_fp32_words")(model.reshape(-1), residual, index, kept, out.view(-1))
+
+
+def round_split_many(mains, models, residuals, indices, kept, counts: torch.Tensor, round_model: bool) -> None:
+    """One native call for a batch: for each tensor t (all flat and contiguous), with round_model write
+    models[t] = mains[t] rounded to bf16 as megatron's copy does, then split mains[t] against models[t] into
+    residuals[t] (int16, numel), the first indices[t].numel() exceptions (positions int64, words int32; in any
+    order) and counts[t] (int64, one per tensor: every exception, listed or not). Nothing is read back."""
+    if not mains:
+        return
+    for main, model in zip(mains, models):
+        _check(main, model)
+    ensure(mains[0].device.type)
+    op("round_split_fp32_words")(list(mains), list(models), list(residuals), list(indices), list(kept), counts,
+                                 round_model)
+
+
+def join_many(outs, models, residuals, indices, kept, counts) -> None:
+    """One native call for a batch: outs[t] (flat contiguous fp32) = the words round_split_many split, from the first
+    min(counts[t], capacity) listed exceptions (counts: one-element int64 tensors on the device)."""
+    if not outs:
+        return
+    ensure(outs[0].device.type)
+    op("join_fp32_words_multi")(list(models), list(residuals), list(indices), list(kept), list(counts), list(outs))

@@ -9,6 +9,8 @@ A policy gives:
     slots                     ("mains",), ("moments",) or both
     releases_mains            the main parameters are not in place after a batch (the holder copies each batch's
                               main parameters into the model before the policy puts them away)
+    copies_to_model           (optional, with releases_mains) after(n) writes the batch's model values itself,
+                              megatron's rounding, fused with putting the main parameters away: the holder does not
     batch_limit()             (budget_bytes, bytes_per_element) bounding a batch, or None
     begin_step(batches) / before(n) / after(n) / end_step()
     state_tensors(), statistics()
@@ -89,7 +91,8 @@ class OptimizerStateHolder:
         model tensor it rounds into (megatron's copy), used when the main policy releases the main parameters."""
         batches = self.batches()
         policies = self.policies
-        copy_to_model = self.mains is not None and self.mains.releases_mains
+        releases = self.mains is not None and self.mains.releases_mains
+        copy_to_model = releases and not getattr(self.mains, "copies_to_model", False)
         for policy in policies:
             policy.begin_step(batches)
 
@@ -108,7 +111,7 @@ class OptimizerStateHolder:
         step_in_batches(self.inner, batches, before, after)
         for policy in policies:
             policy.end_step()
-        self.models_current = copy_to_model
+        self.models_current = releases
         self.steps += 1
 
     def state_tensors(self):

@@ -23,12 +23,15 @@ def check(layout, extra=()):
 
 def assert_main_params_to_the_byte(result):
     """Each fp32 main element (4 bytes) is now a 2-byte residual; a word whose residual would not fit 16 bits
-    is kept whole, with its index (12 bytes). Nothing else changes."""
+    is kept whole, with its index (12 bytes), in its parameter's exception buffer (room for 64 + numel / 1024, grown
+    where a split needs more), whose count is an 8-byte device counter. Nothing else changes."""
     off, on = result.memory_off, result.memory_on
     stats = on["feature_statistics"]["reuse-fp32-param"]
     elements = stats["main_param_elements"]
     assert off["optimizer_main_param_bytes"] == 4 * elements
-    assert on["optimizer_main_param_bytes"] == 2 * elements + 12 * stats["exceptions"]
+    assert stats["exceptions"] <= stats["exception_capacity"]
+    assert on["optimizer_main_param_bytes"] == \
+        2 * elements + 12 * stats["exception_capacity"] + 8 * stats["main_params"]
     for kind in ("parameter_bytes", "gradient_bytes", "optimizer_moment_bytes"):
         assert on[kind] == off[kind], kind
     assert stats["steps"] == 4

@@ -201,6 +201,22 @@ def _words_with_exceptions():
     return main, main.to(torch.bfloat16)
 
 
+def _multi_split_args(round_model, sizes=(40, 9)):
+    """round_split_fp32_words's arguments for tensors of `sizes` words (the first with two exceptions)."""
+    mains = [_words_with_exceptions()[0]] + [torch.randn(n) for n in sizes[1:]]
+    return ([m for m in mains], [m.to(torch.bfloat16) for m in mains], [torch.empty(m.numel(), dtype=torch.int16)
+                                                                        for m in mains],
+            [torch.empty(4, dtype=torch.int64) for _ in mains], [torch.empty(4, dtype=torch.int32) for _ in mains],
+            torch.zeros(len(mains), dtype=torch.int64), round_model)
+
+
+def _multi_join_args():
+    mains, models, residuals, indices, kept, counts, _ = _multi_split_args(True)
+    op("round_split_fp32_words")(mains, models, residuals, indices, kept, counts, True)
+    return models, residuals, indices, kept, [counts[t:t + 1] for t in range(len(mains))], \
+        [torch.empty_like(m) for m in mains]
+
+
 # cu_seqlens_q, cu_seqlens_k (3 segments, one query of fewer than its keys), max lengths, causal, scale, window
 _VARLEN_ARGS = (torch.tensor([0, 3, 4, 8], dtype=torch.int32), torch.tensor([0, 2, 5, 9], dtype=torch.int32), 4, 4,
                 True, 0.5, 2, -1)
@@ -221,6 +237,8 @@ OPCHECK_CASES = [
     ("split_fp32_words", lambda: (*_words_with_exceptions(), 4)),
     ("join_fp32_words", lambda: (lambda main, model: (model, *ops.split_fp32_words(main, model),
                                                       torch.empty_like(main)))(*_words_with_exceptions())),
+    ("round_split_fp32_words", lambda: _multi_split_args(True)),
+    ("join_fp32_words_multi", lambda: _multi_join_args()),
     ("varlen_attention_fwd", lambda: (torch.randn(8, 4, 8, requires_grad=True),
                                       torch.randn(9, 2, 8, requires_grad=True),
                                       torch.randn(9, 2, 8, requires_grad=True), *_VARLEN_ARGS)),
@@ -338,3 +356,38 @@ def test_fp32_words_split_lists_at_most_capacity_and_counts_all(capacity, device
     assert torch.equal(kept.cpu()[:listed], main.view(torch.int32)[index.cpu()[:listed]])
     full_residual, full_index, full_kept = ops.split_fp32_words(main_d, model_d)
     assert torch.equal(full_index.cpu(), expected) and torch.equal(full_residual.cpu(), residual.cpu())
+
+
+@pytest.mark.parametrize("round_model", [True, False], ids=["rounding", "given-model"])
+def test_fp32_words_multi_tensor_split_and_join(round_model, device):
+    """One call per batch: each tensor split as split_fp32_words would (round_model: against the model values
+    torch's fp32 -> bf16 copy writes on this device, which the op writes), restored bit for bit. Sizes cover the
+    16-byte paths, their tails, one-word tensors and a tensor that is not 16-byte aligned."""
+    gen = torch.Generator().manual_seed(7)
+    sizes = [1, 7, 8, 4097, 70_001, 33]
+    words = [torch.randint(-2**31, 2**31, (n,), dtype=torch.int64, generator=gen) for n in sizes]
+    for w in words:
+        w[::5] = (w[::5] >> 16 << 16) + 0x8000  # ties
+    mains = [w.to(torch.int32).view(torch.float32).to(device) for w in words]
+    mains[-1] = torch.cat([torch.zeros(1, device=device), mains[-1]])[1:]  # 4 bytes off 16-byte alignment
+    expected_models = [m.to(torch.bfloat16) for m in mains]  # megatron's copy on this device
+    models = [torch.randn(m.numel(), generator=gen).to(torch.bfloat16).to(device) for m in mains]
+    given = [m.clone() for m in models]
+    residuals = [torch.empty(m.numel(), dtype=torch.int16, device=device) for m in mains]
+    indices = [torch.empty(m.numel() + 1, dtype=torch.int64, device=device) for m in mains]  # room for all
+    kept = [torch.empty(i.numel(), dtype=torch.int32, device=device) for i in indices]
+    counts = torch.zeros(len(mains), dtype=torch.int64, device=device)
+    op("round_split_fp32_words")(mains, models, residuals, indices, kept, counts, round_model)
+    for t, main in enumerate(mains):
+        against = expected_models[t] if round_model else given[t]
+        assert torch.equal(models[t].view(torch.int16), against.view(torch.int16)), t
+        ref_residual, ref_index, _, ref_count = reference("split_fp32_words")(main.cpu(), against.cpu(), main.numel())
+        assert int(counts[t]) == int(ref_count) <= indices[t].numel(), t
+        assert torch.equal(residuals[t].cpu(), ref_residual), t
+        listed = indices[t][:int(ref_count)].cpu().sort().values
+        assert torch.equal(listed, ref_index[:int(ref_count)]), t
+    poison_allocator(device)
+    outs = [torch.empty_like(m) for m in mains]
+    op("join_fp32_words_multi")(models, residuals, indices, kept, [counts[t:t + 1] for t in range(len(mains))], outs)
+    for out, main in zip(outs, mains):
+        assert torch.equal(out.view(torch.int32), main.view(torch.int32))
