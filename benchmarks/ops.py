@@ -3,7 +3,8 @@
 python benchmarks/ops.py --device cuda                     # the issue's shapes (DEFAULT_CUDA_SHAPES)
 python benchmarks/ops.py --device cuda --hidden 1024 2048 4096 8192 16384 [--tokens 16384]
 python benchmarks/ops.py [--tokens 4096] [--hidden 1024 4096] # CPU
-options: --dtype float32 bfloat16, --impls (subset of IMPLEMENTATIONS), --min-run-time, --copy-mib
+options: --dtype float32 bfloat16, --impls (subset of IMPLEMENTATIONS), --ops (subset of the ops), --min-run-time,
+--copy-mib
 
 Implementations: mm_adaptor (`mm_adaptor.ops`), eager (the plain PyTorch composition; for RoPE megatron-core's
 own `_apply_rotary_pos_emb_bshd`), torch.compile (of the eager code), torch F.rms_norm, liger (Liger-Kernel's
@@ -212,7 +213,8 @@ def liger_binders(device) -> dict:
 def bind_liger_rope(function, inputs, grad) -> Bound | str:
     """Liger rotates HF's q and k together, in place, in the [b, s, heads, d] layout (passed as [b, heads, s, d]
     views) with cos/sin [1, s, d]. The case's [s, b, h, d] data goes in transposed to [b, s, h, d], its first
-    half of the heads as q and the rest as k: the same elements, bytes and rotate-half arithmetic."""
+    half of the heads as q and the rest as k: the same elements, bytes and rotate-half arithmetic. cos/sin are
+    computed from freqs inside the timed call, as the other implementations do (they take freqs)."""
     t, freqs = inputs
     seq, batch, heads, dim = t.shape
     if heads < 2:
@@ -221,14 +223,17 @@ def bind_liger_rope(function, inputs, grad) -> Bound | str:
     bshd = t.detach().transpose(0, 1)
     q = bshd[:, :, :q_heads].contiguous().requires_grad_()
     k = bshd[:, :, q_heads:].contiguous().requires_grad_()
-    cos, sin = freqs.cos().view(1, seq, dim), freqs.sin().view(1, seq, dim)
     g = grad.transpose(0, 1)
     gq, gk = g[:, :, :q_heads].contiguous().transpose(1, 2), g[:, :, q_heads:].contiguous().transpose(1, 2)
 
     def reference_layout(q_part, k_part):
         return torch.cat([q_part, k_part], dim=2).transpose(0, 1)
 
-    return Bound(run=lambda: function.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin),
+    def run():
+        return function.apply(q.transpose(1, 2), k.transpose(1, 2), freqs.cos().view(1, seq, dim),
+                              freqs.sin().view(1, seq, dim))
+
+    return Bound(run=run,
                  leaves=[q, k], out_grads=[gq, gk],
                  to_reference=lambda out: reference_layout(out[0].transpose(1, 2), out[1].transpose(1, 2)),
                  reference_grads=lambda: [reference_layout(q.grad, k.grad)])
@@ -327,6 +332,7 @@ def main(argv=None):
                         help="sweep hidden sizes at --tokens (CPU default 1024 4096; CUDA default: the issue's shapes)")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
+    parser.add_argument("--ops", nargs="+", default=list(MIN_BYTES), choices=list(MIN_BYTES), help="default: all")
     parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
     parser.add_argument("--copy-mib", type=int, help="copy-bandwidth buffer (default 1024 on CUDA, 256 elsewhere)")
     args = parser.parse_args(argv)
@@ -336,6 +342,7 @@ def main(argv=None):
         shapes = list(DEFAULT_CUDA_SHAPES)
     else:
         shapes = list(sweep_shapes(args.tokens or (16384 if on_cuda else 4096), args.hidden or [1024, 4096]))
+    shapes = [(op, shape) for op, shape in shapes if op in args.ops]
     impls = ["mm_adaptor"] + [name for name in args.impls if name != "mm_adaptor"]
 
     native = ops.library.ensure(device_type)
