@@ -9,8 +9,9 @@ main parameters and moments in host memory.
 Activations (`language_layer_saved`, `vision_layer_saved`, `stage_activations`): the storages autograd keeps per
 transformer layer for one micro-batch, as devices.memory.SavedTensorAccountant counts them (each storage once,
 whole), on the local spec with the driver's unfused paths and no dropout, for a layout (TP, SP, micro-batch,
-sequence, tiles) and the activation features: --use-flash-attn, --recompute-activation-function, --swap-attention,
-full recompute, --freeze-vision."""
+sequence, tiles) and the activation features: --use-flash-attn, --recompute-activation-function, --swap-attention
+(--swap-select bandwidth: each block's last layer stays on the device; all: it moves too), full recompute,
+--freeze-vision."""
 
 from __future__ import annotations
 
@@ -134,7 +135,14 @@ def internvl_110b_class() -> InternVLConfig:
 @dataclass(frozen=True)
 class Activations:
     """A layout and the activation features for one micro-batch. tiles: InternViT tiles in the micro-batch (tiles
-    per sample x micro-batch); bf16: 2 B activations (else fp32); swap_min_bytes: --swap-min-bytes."""
+    per sample x micro-batch); bf16: 2 B activations (else fp32); swap_min_bytes: --swap-min-bytes; swap_select:
+    --swap-select. Under "all" every swapped layer's chosen storages move (see `placed`). Under "bandwidth" (the
+    default) the last layer of each block pass keeps everything on the device (each language stage's last language
+    layer, InternViT's last layer on the first stage) and the others move as under "all": that is exactly what the
+    first passes of each block move (patches/transformer/swap_attention.py swaps every other candidate while it
+    times the link in its first MEASURED_PASSES passes), and from then on the most the selection can move. On a slow
+    link the bandwidth rule keeps more layers on the device, known only at run time: the formula's host bytes are
+    an upper bound of what moves, its device bytes a lower bound."""
     tp: int = 1
     sp: bool = False
     micro_batch: int = 1
@@ -145,8 +153,13 @@ class Activations:
     recompute_activation: bool = False
     swap_attention: bool = False
     swap_min_bytes: int = 64 * 1024
+    swap_select: str = "bandwidth"  # --swap-select: "bandwidth" (the last layer of a block stays) or "all"
     full_recompute: bool = False
     frozen_vision: bool = False  # --freeze-vision: nothing upstream of the projector needs a gradient
+
+    def __post_init__(self):
+        if self.swap_select not in ("bandwidth", "all"):
+            raise ValueError(f"swap_select {self.swap_select!r}: choose bandwidth or all")
 
     @property
     def element(self) -> int:
@@ -238,13 +251,16 @@ def vision_layer_saved(c: InternVLConfig, a: Activations) -> list[Saved]:
     return saved
 
 
-def placed(saved: list[Saved], a: Activations, first_of_block: bool = False) -> tuple[int, int]:
+def placed(saved: list[Saved], a: Activations, first_of_block: bool = False,
+           last_of_block: bool = False) -> tuple[int, int]:
     """(device, host) bytes of a layer's saved storages. --swap-attention moves its modules' storages of at least
-    --swap-min-bytes to host memory, but the block's first layer's input, which its caller still holds. Full
-    recompute keeps only the layer's input (see full_recompute_bytes)."""
+    --swap-min-bytes to host memory, but the block's first layer's input, which its caller still holds; under
+    --swap-select bandwidth (the default) the block's last layer moves nothing (an upper bound of what moves: see
+    Activations). Full recompute keeps only the layer's input (see full_recompute_bytes)."""
+    swaps = a.swap_attention and not (last_of_block and a.swap_select == "bandwidth")
     device = host = 0
     for item in saved:
-        moves = (a.swap_attention and item.module in SWAPPED and item.nbytes >= a.swap_min_bytes
+        moves = (swaps and item.module in SWAPPED and item.nbytes >= a.swap_min_bytes
                  and not (first_of_block and item.layer_input))
         host += item.nbytes if moves else 0
         device += 0 if moves else item.nbytes
@@ -267,16 +283,19 @@ def full_recompute_bytes(c: InternVLConfig, a: Activations, language_layers: int
 
 def stage_activations(c: InternVLConfig, a: Activations, split: list[int], stage: int) -> tuple[int, int]:
     """(device, host) bytes the transformer layers of one rank of `stage` keep for one micro-batch: its language
-    layers and, on the first stage, InternViT's (the layers it runs)."""
+    layers and, on the first stage, InternViT's (the layers it runs). Under --swap-select bandwidth the stage's last
+    language layer and InternViT's last layer keep theirs on the device."""
     first = stage == 0
     if a.full_recompute:
         return full_recompute_bytes(c, a, split[stage], first and not a.frozen_vision, first_of_model=first), 0
     device = host = 0
     for index in range(split[stage]):
-        d, h = placed(language_layer_saved(c, a, first_of_model=first and index == 0), a, index == 0)
+        d, h = placed(language_layer_saved(c, a, first_of_model=first and index == 0), a, index == 0,
+                      index == split[stage] - 1)
         device, host = device + d, host + h
-    for index in range(c.vision_layers_run if first and a.tiles and not a.frozen_vision else 0):
-        d, h = placed(vision_layer_saved(c, a), a, index == 0)
+    vision = c.vision_layers_run if first and a.tiles and not a.frozen_vision else 0
+    for index in range(vision):
+        d, h = placed(vision_layer_saved(c, a), a, index == 0, index == vision - 1)
         device, host = device + d, host + h
     return device, host
 
