@@ -60,10 +60,14 @@ STACKED_FUSED_FAILED_ON_H100 = Record(
     "failed", f"check --layout single of fused-rmsnorm, fused-swiglu, fused-rotary-pos-emb and flash-attn stacked, "
               f"fp32, failed on {H100_SESSION}: losses within 7e-8, step-1 gradients up to 5.7x the calibrated limit; "
               f"alone on {H100_SECOND_SESSION}, the device time ran out before this flag's check (open)")
-ROTARY_ALONE_FAILED_ON_H100 = Record(
-    "failed", f"check --layout single, fp32, alone, failed on {H100_SECOND_SESSION}: losses within 7e-8, one step-1 "
-              f"gradient (layer 0's linear_qkv.bias) at 1.03x its calibrated limit, the rest within it; stacked with "
-              f"the other fused kernels on {H100_SESSION}: up to 5.7x (open)")
+
+
+def changed_since_h100(what_ran: str, what_changed: str, session: str = H100_SESSION, compiled: bool = True) -> Record:
+    """A feature whose device code changed after its GPU run: that run no longer speaks for today's code."""
+    compile_check = "; its CUDA kernels compile-checked with nvcc" if compiled else ""
+    return Record("not run", f"today's code has not run on a GPU ({what_changed}{compile_check}); before that "
+                             f"change, on {session}: {what_ran}")
+
 
 # Reasons shared by the features' verified_on declarations.
 PIP_0_17_1 = ("pip 0.17.1, where the feature's functions differ from 0.16.1's and 0.19.0's: check passed with the "

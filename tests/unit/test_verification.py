@@ -26,13 +26,16 @@ def test_no_feature_and_no_backend_claims_a_device_without_a_recorded_run():
         assert records["npu"].state in ("not run", "stand-in"), name
         if records["npu"].state == "stand-in":
             assert "FAKE npu" in records["npu"].evidence and "only Ascend hardware can show" in records["npu"].evidence
+    for name in ("reuse-fp32-param", "swap-attention", "fused-rotary-pos-emb"):  # changed since their GPU run
+        assert features.get(name).devices["cuda"].evidence.startswith("today's code has not run on a GPU"), name
     assert not devices.make("cuda").verified_on_hardware
     assert not devices.make("npu").verified_on_hardware
     assert devices.make("cpu").verified_on_hardware
 
 
 def test_the_summary_names_each_device():
-    assert verification.summary("swap-attention") == "cpu verified, cuda verified, npu stand-in"
+    assert verification.summary("swap-optimizer") == "cpu verified, cuda verified, npu stand-in"
+    assert verification.summary("swap-attention") == "cpu verified, cuda not run, npu stand-in"
     assert verification.summary("virtual-optimizer") == "cpu verified, cuda not run, npu not run"
     assert verification.summary("some-plugin") == "cpu not run, cuda not run, npu not run"
 
