@@ -114,15 +114,16 @@ def _ranks_needed(train_args) -> int:
     return max(1, math.lcm(tp * cp * pp, tp * train_args.expert_model_parallel_size * pp))
 
 
-def _default_check_layout() -> str:
+def _default_check_layout(quiet: bool = False) -> str:
     """tp2-sp, or single where the collective library wants one device per rank and the node has one."""
     from mm_adaptor import devices
 
     backend = devices.current_or_chosen()
     available = backend.devices_per_node()
     if available is not None and available < 2:
-        print(f"mm-adaptor check: layout single (this node has {available} {backend.name.upper()} device; tp2-sp "
-              "needs 2)", flush=True)
+        if not quiet:
+            print(f"mm-adaptor check: layout single (this node has {available} {backend.name.upper()} device; "
+                  "tp2-sp needs 2)", flush=True)
         return "single"
     return "tp2-sp"
 
@@ -146,20 +147,29 @@ def _baseline_cache(enabled: bool):
 
 def calibrate_main(argv: list[str]) -> int:
     from mm_adaptor import harness
-    from mm_adaptor.harness import calibration
+    from mm_adaptor.harness import calibration, device_calibration
 
     parser = ArgumentParser(
         prog="mm-adaptor calibrate",
-        description="Measure Megatron's own rounding noise: the unpatched tiny GPT against the same model with every "
-                    "matrix product summed in two halves of its inner dimension, in each layout, precision and model; "
-                    "prints the largest verdict statistics and the thresholds they imply.")
-    parser.add_argument("--layout", choices=[*harness.LAYOUTS, "all"], default="all")
+        description="Measure Megatron's own rounding noise on this device: the unpatched tiny GPT against the same "
+                    "model with every matrix product summed in halves and in thirds of its inner dimension, in each "
+                    "layout, precision and model; prints the largest verdict statistics and how close a further "
+                    "perturbation (fifths) comes to the limits they set, and stores that per device type, layout and "
+                    "precision for `mm-adaptor check`.")
+    parser.add_argument("--layout", choices=[*harness.LAYOUTS, "all"], default=None,
+                        help="default: all (single on a node with one GPU)")
     parser.add_argument("--precision", choices=["fp32", "bf16", "all"], default="all")
     parser.add_argument("--model", choices=[*calibration.MODELS, "all"], default="all")
     parser.add_argument("--iters", type=int, default=4)
+    parser.add_argument("--store-dir", default=None,
+                        help=f"where the device's calibration file goes (default: ${device_calibration.DIR_ENV} or "
+                             "~/.cache/mm_adaptor/calibrations)")
+    parser.add_argument("--no-store", action="store_true", help="print the calibration without storing it")
     args = parser.parse_args(argv)
     if args.iters < 1:
         parser.fail(f"--iters {args.iters}: must be at least 1")
+    if args.layout is None:
+        args.layout = "all" if _default_check_layout(quiet=True) != "single" else "single"
     pick = lambda value, choices: list(choices) if value == "all" else [value]  # noqa: E731
     try:
         rows = calibration.calibrate(pick(args.layout, harness.LAYOUTS), pick(args.precision, calibration.PRECISIONS),
@@ -167,6 +177,13 @@ def calibrate_main(argv: list[str]) -> int:
     except harness.HarnessError as exc:
         return _print_errors(parser.prog, exc)
     print(calibration.format_calibration(rows))
+    if not args.no_store:
+        from pathlib import Path
+
+        device, versions = calibration.device_and_versions()
+        path = device_calibration.store(device, rows, directory=Path(args.store_dir) if args.store_dir else None,
+                                        versions=versions)
+        print(f"stored for {device} in {path}")
     return 0
 
 

@@ -83,6 +83,7 @@ def _megatron_core_patches() -> PatchSet:
 
 class CpuBackend(DeviceBackend):
     name = "cpu"
+    bitwise_reproducible = True
     dist_backend = "gloo"
 
     def __init__(self) -> None:

@@ -2,12 +2,12 @@
 
 The perturbation sums every matrix product in parts along its inner dimension (two halves by default:
 x[:, :k/2] @ w[:k/2] + x[:, k/2:] @ w[k/2:]): the same math in a different reduction order, with one more rounding
-of each output element in the working dtype. It covers the forward of every linear layer and attention product and
-the backward GEMMs of megatron's linear layers. The harness runs it once per configuration (cached) as that
-configuration's noise reference, and for the later steps also in thirds (compare.NOISE_PARTS: from step 2 on the
-noise is dominated by the few parameters below Adam's eps, where one draw can be zero); `mm-adaptor calibrate` also
-judges a further perturbation (fifths) against them, which must pass: a legitimate change of rounding is not a
-failure.
+of each output element in the working dtype. It covers the forward and backward GEMMs of every linear layer and
+attention product. The harness runs it in halves and in thirds (compare.NOISE_PARTS, cached like the baseline), and
+on a device that is not bitwise reproducible an unperturbed repeat too, as the configuration's noise references;
+`mm-adaptor calibrate` also judges a further perturbation (fifths) against the limits they set, which must pass: a
+legitimate change of rounding is not a failure. It stores that worst ratio per device type, layout, precision and
+model (device_calibration.py), which `check` reads.
 
 The perturbation itself (a feature registered when split_k.py is imported) lives in split_k.py.
 """
@@ -42,7 +42,8 @@ def calibrate(layouts, precisions, models, *, iters: int = 4, progress=None) -> 
             for precision in precisions:
                 for model in models:
                     c = compare([FLAG, PARTS_FLAG, str(SECOND_PARTS)], layout=layout,
-                                        extra_args=[*MODELS[model], *PRECISIONS[precision]], iters=iters)
+                                extra_args=[*MODELS[model], *PRECISIONS[precision]], iters=iters,
+                                device_calibrated=False)
                     noise: dict = {}
                     for (group, _kind, _step), stats in c.limits.noise.items():
                         largest = noise.setdefault(group, {})
@@ -69,10 +70,26 @@ def format_calibration(rows: list[NoiseRow]) -> str:
     short = {"activations": "act", "gradients": "grad", "parameters": "param", "loss": ""}
     header = "  layout       prec  model " + "".join(
         f"{(short[g] + '.' if short[g] else '') + s.replace('rel_', ''):>9}" for g, s in _COLUMNS) + "  2nd/limit"
-    lines = ["Largest rounding noise per configuration (unpatched vs every matrix product split in halves), and the "
-             "worst ratio of a further perturbation (fifths) to the harness's limits (must be below 1):", header]
+    lines = ["Largest rounding noise per configuration (unpatched vs every matrix product split in halves and in "
+             "thirds), and the worst ratio of a further perturbation (fifths) to the harness's limits (must be below "
+             "1):", header]
     lines += [_format_row(row) for row in rows]
     worst = max((max(r.second.values(), default=0.0), f"{r.layout} {r.precision} {r.model}") for r in rows)
     lines.append(f"worst second-perturbation ratio {worst[0]:.2f} ({worst[1]}); the limits are described in "
                  "mm_adaptor/harness/verdict.py")
     return "\n".join(lines)
+
+
+def device_and_versions() -> tuple[str, dict]:
+    """The device type the calibration ran on and what it ran with (stored beside each entry)."""
+    import importlib.metadata
+
+    import torch
+
+    from mm_adaptor import devices
+
+    backend = devices.current_or_chosen()
+    versions = {"torch": torch.__version__, "megatron_core": importlib.metadata.version("megatron-core")}
+    if backend.name == "cuda" and torch.cuda.is_available():
+        versions["device_name"] = torch.cuda.get_device_name()
+    return backend.name, versions

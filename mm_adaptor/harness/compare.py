@@ -10,7 +10,7 @@ from pathlib import Path
 
 from mm_adaptor.core import features
 from mm_adaptor.core.features import Tolerance
-from mm_adaptor.harness import verdict
+from mm_adaptor.harness import device_calibration, verdict
 from mm_adaptor.harness.verdict import GroupVerdict, Limits
 
 # Tiny models (2 layers; the interleaved schedule needs 2 per stage) keep a comparison to seconds.
@@ -48,6 +48,8 @@ class Comparison:
     verdicts: dict[str, GroupVerdict]
     memory_off: dict = field(default_factory=dict)
     memory_on: dict = field(default_factory=dict)
+    noise_draws: tuple[str, ...] = ()
+    calibration: str = ""
 
     @property
     def passed(self) -> bool:
@@ -132,12 +134,14 @@ def _run(run, args, echo):
 
 def compare(feature_args: list[str], *, layout: str | None = None, extra_args: list[str] = (),
             iters: int = 4, nproc: int | None = None, timeout: float = 600.0, tolerance: Tolerance | None = None,
-            echo: bool = False, require_features: bool = True) -> Comparison:
+            echo: bool = False, require_features: bool = True, device_calibrated: bool = True) -> Comparison:
     """Train with `feature_args` off and on; judge losses, every step's gradients and the parameters.
 
     With require_features=False (and an explicit tolerance) any training flag can be compared, e.g. a
-    compatibility path the adaptor provides without a feature flag. Both configurations are checked before
-    anything trains; the unpatched run comes from the baseline cache when an identical one exists."""
+    compatibility path the adaptor provides without a feature flag. Both configurations are checked before anything
+    trains; the unpatched run comes from the baseline cache when an identical one exists (a device repeat never
+    does). With device_calibrated=False the limits ignore the device's stored calibration (`mm-adaptor calibrate`
+    measures against the base limits)."""
     from mm_adaptor.harness import runner as train
     from mm_adaptor.harness import baseline
 
@@ -167,19 +171,22 @@ def compare(feature_args: list[str], *, layout: str | None = None, extra_args: l
             for args in (off_args, on_args):
                 args.load, args.no_load_optim = str(init), True
         off = _run(baseline.cached_run, off_args, echo)
+        draws = () if tol.exact else noise_draws()
         noise = None if tol.exact else [
-            _run(lambda a, echo, parts=parts: rounding_noise_run(a, echo=echo, parts=parts), off_args, echo)
-            for parts in NOISE_PARTS]
+            *(_run(lambda a, echo, parts=parts: rounding_noise_run(a, echo=echo, parts=parts), off_args, echo)
+              for parts in NOISE_PARTS),
+            *(_run(train.run, off_args, echo) for _ in draws[len(NOISE_PARTS):])]
         on = _run(train.run, on_args, echo)
     if require_features and not on.features:
         raise HarnessError(f"{' '.join(feature_args)} applied no feature in the training run")
     precision = verdict.precision_of(vars(on_args))
     limits = verdict.limits_for(tol, precision, noise and verdict.noise_table(off, *noise))
+    calibration = "" if tol.exact else device_calibration.apply(limits, layout, device_calibrated)
     return Comparison(
         layout=layout or _described_layout(on_args), precision=precision, feature_args=list(feature_args),
         tolerance=tol, limits=limits, losses_off=off.losses, losses_on=on.losses,
         verdicts=verdict.judge(off, on, limits, skip=_not_comparable(switched_on, on_args)),
-        memory_off=off.memory, memory_on=on.memory,
+        memory_off=off.memory, memory_on=on.memory, noise_draws=draws, calibration=calibration,
     )
 
 
@@ -205,13 +212,28 @@ def _described_layout(args: argparse.Namespace) -> str:
     return describe_layout(_finalized(args)).rsplit("+", 1)[0] + " (from the flags)"
 
 
-# The noise references: every matrix product summed in halves (step 1 and later), and in thirds (later steps only:
-# verdict.noise_table). From step 2 on, the differences are dominated by the few parameters whose gradient is below
-# Adam's eps, where an update moves by lr * (rounding change of that gradient) / eps: one perturbation's draw there
-# can be zero (pp2-vpp2 RMSNorm fp32: the halves left position embedding [33, 23], gradient 1.6e-9, exactly
-# unchanged, while any other rounding change moved its update by 2 to 20% of lr), so later steps take the largest of
-# two draws.
+# The noise references: every matrix product summed in halves and in thirds, the largest of the two draws counting
+# at every step (verdict.noise_table). From step 2 on, the differences are dominated by the few parameters whose
+# gradient is below Adam's eps, where an update moves by lr * (rounding change of that gradient) / eps: one
+# perturbation's draw there can be zero (pp2-vpp2 RMSNorm fp32: the halves left position embedding [33, 23],
+# gradient 1.6e-9, exactly unchanged, while any other rounding change moved its update by 2 to 20% of lr). At step 1
+# one draw can sit low at one kind: on an H100 the fused rotary kernel's step-1 linear_qkv.bias gradient was 1.03x
+# the limit the halves alone set.
 NOISE_PARTS = (2, 3)
+
+
+def noise_draws() -> tuple[str, ...]:
+    """The noise references, named: the perturbations, then an unperturbed repeat of the unpatched run where the
+    device is not bitwise reproducible from run to run (split-key atomics, algorithm choice); none on the CPU."""
+    from mm_adaptor import devices
+
+    backend = devices.current_or_chosen()
+    repeat = () if backend.bitwise_reproducible else (f"an unperturbed repeat ({backend.name} is not bitwise "
+                                                      "reproducible)",)
+    return (*(f"matrix products in {PART_NAMES.get(parts, f'{parts} parts')}" for parts in NOISE_PARTS), *repeat)
+
+
+PART_NAMES = {2: "halves", 3: "thirds", 5: "fifths"}
 
 
 def rounding_noise_run(off_args: argparse.Namespace, *, echo: bool = False, parts: int = 2):

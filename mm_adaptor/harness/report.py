@@ -75,6 +75,8 @@ def format_comparison(c) -> str:
     lines = [f"check {' '.join(c.feature_args)} | layout {c.layout} | {c.precision} | "
              f"tolerance: {c.tolerance.describe()}",
              f"  limits: {c.limits.describe()}",
+             *([f"  noise draws: {', '.join(c.noise_draws)}"] if c.noise_draws else []),
+             *([f"  device calibration: {c.calibration}"] if c.calibration else []),
              f"  {'step':>4}  {'loss (off)':>16}  {'loss (on)':>16}  {'rel diff':>10}"]
     failing_steps = {f.split()[1] for f in c.loss_failures if f.startswith("step ")}
     for step, (a, b) in enumerate(zip(c.losses_off, c.losses_on), start=1):

@@ -1,6 +1,8 @@
 """The regression harness, `mm-adaptor check`, and the first feature (--optimize-vocab-parallel-ce); the harness's
 self-tests: deliberately wrong features it must reject, and the calibration its inexact thresholds rest on."""
 
+import os
+
 import pytest
 
 from mm_adaptor import harness
@@ -56,13 +58,17 @@ SUBTLE_BUGS = {
 }
 
 
+# The self-test's layout: tp2-sp here; a machine with one GPU runs it in `single` (scripts/gpu_session.sh verdicts).
+SELF_TEST_LAYOUT = os.environ.get("MM_ADAPTOR_SELF_TEST_LAYOUT", "tp2-sp")
+
+
 @pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bug", list(SUBTLE_BUGS))
 def test_subtle_inexact_bugs_fail(bug, precision):
     """Features that claim the fused kernels' tolerance but are wrong by 0.2% (in one layer or in every layer) or by
     2% in one place must fail."""
     with harness.extra_feature_module("subtle_bug_features"):
-        result = harness.compare([bug], layout="tp2-sp", extra_args=precision, iters=4)
+        result = harness.compare([bug], layout=SELF_TEST_LAYOUT, extra_args=precision, iters=4)
     assert not result.tolerance.exact
     assert not result.passed, harness.format_comparison(result)
     located = result.activations.failures + result.grads.failures
@@ -77,7 +83,7 @@ def test_a_different_rounding_of_the_same_math_passes(precision):
     """The other side of the self-test: a further rounding perturbation (matrix products split at a fifth instead of
     a half or a third) is a legitimate change and must pass against the limits the noise references set; it must
     change something."""
-    row, = calibration.calibrate(["tp2-sp"], [precision], ["llama"])
+    row, = calibration.calibrate([SELF_TEST_LAYOUT], [precision], ["llama"])
     assert max(row.second.values()) <= 1.0, row
     assert row.noise["gradients"]["rel_norm"] > 0, "the perturbation must change something, or it calibrates nothing"
 
@@ -85,3 +91,21 @@ def test_a_different_rounding_of_the_same_math_passes(precision):
 def test_check_refuses_flags_that_enable_nothing(capsys):
     assert cli_main(["check", "--layout", "tp2", "--iters", "1"]) == 2
     assert "no feature is switched on" in capsys.readouterr().err
+
+
+def test_calibrate_stores_what_check_then_reads(tmp_path, monkeypatch, capsys):
+    """`mm-adaptor calibrate` stores the device's worst legitimate ratio per layout and precision; `check` there
+    names it (the same steps: the noise references come from the cache)."""
+    import json
+
+    model = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope"]
+    assert cli_main(["calibrate", "--layout", "single", "--precision", "fp32", "--model", "llama", "--iters", "2",
+                     "--store-dir", str(tmp_path)]) == 0
+    stored = json.loads((tmp_path / "cpu.json").read_text())["rows"]["single"]["fp32"]["llama"]
+    assert 0 < stored["second"] <= 1.0 and f"stored for cpu in {tmp_path / 'cpu.json'}" in capsys.readouterr().out
+    monkeypatch.setenv("MM_ADAPTOR_CALIBRATION_DIR", str(tmp_path))
+    assert cli_main(["check", "--use-fused-rmsnorm", "--layout", "single", "--iters", "2", *model]) == 0
+    out = capsys.readouterr().out
+    assert f"device calibration: cpu single fp32 (llama; {stored['date']}, {tmp_path / 'cpu.json'}): a legitimate " \
+           f"rounding change reached {stored['second']:.2f} of the limits\n" in out, out
+    assert "noise draws: matrix products in halves, matrix products in thirds\n" in out, out
