@@ -25,7 +25,6 @@ the measured bytes per second at most the next layer's forward time (select_laye
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import itertools
 import weakref
@@ -33,17 +32,18 @@ import weakref
 import torch
 
 from mm_adaptor.devices import memory
+from mm_adaptor.patches.transformer.swap_attention_select import (  # noqa: F401  (tests and benchmarks use them here)
+    DEFAULT_SELECT, MEASURED_PASSES, SELECT_MODES, BlockPlan, LayerTiming, MeasuredLayer, MeasuredPass,
+    device_timings, gb_per_s, link_bytes_per_ms, select_layers)
+from mm_adaptor.patches.transformer.swap_attention_storage import (  # noqa: F401
+    HostPool, StoredStorage, SwappedTensor, _whole_storage)
+
 SWAP_ATTR = "_mm_swap_attention"
 DEFAULT_MODULES = ("input_layernorm", "self_attention", "pre_mlp_layernorm")
 # TransformerLayer children that can be swapped; MindSpeed's names for the norms are accepted as aliases.
 KNOWN_MODULES = ("input_layernorm", "self_attention", "pre_cross_attn_layernorm", "cross_attention",
                  "pre_mlp_layernorm", "mlp")
 ALIASES = {"input_norm": "input_layernorm", "post_attention_norm": "pre_mlp_layernorm"}
-SELECT_MODES = ("bandwidth", "all")
-DEFAULT_SELECT = "bandwidth"
-# passes of a block timed before its layers are chosen; the choice uses the last (the first carries one-time costs:
-# host buffer allocation, kernel selection)
-MEASURED_PASSES = 2
 
 
 def module_names(text: str | None) -> tuple[str, ...]:
@@ -60,217 +60,6 @@ def module_names(text: str | None) -> tuple[str, ...]:
         if name not in names:
             names.append(name)
     return tuple(names)
-
-
-@dataclasses.dataclass
-class LayerTiming:
-    """One layer of a measured block pass. window_ms: compute-stream time from this layer's forward end to the next
-    layer's (to the block's end for the block's last layer), the compute its copy out runs beside; copied_bytes and
-    copy_ms: what its swap copied to host memory in that pass and how long the offload stream took (0: not swapped);
-    last: the block's last layer (never chosen)."""
-
-    number: int
-    window_ms: float
-    copied_bytes: int = 0
-    copy_ms: float = 0.0
-    last: bool = False
-
-
-def link_bytes_per_ms(timings) -> float | None:
-    """The link's achieved rate in a measured pass: bytes copied out over the offload stream's time for them."""
-    copied = sum(t.copied_bytes for t in timings)
-    ms = sum(t.copy_ms for t in timings if t.copied_bytes)
-    return copied / ms if copied and ms > 0 else None
-
-
-def gb_per_s(bytes_per_ms: float | None) -> float | None:
-    return None if bytes_per_ms is None else bytes_per_ms / 1e6
-
-
-def select_layers(timings, bytes_per_ms: float | None) -> list[bool]:
-    """Which layers of a block pass swap, in forward order: layer L if copied_bytes / bytes_per_ms <= window_ms, i.e.
-    its copy out, started when its forward ends, is done when the next layer's forward ends. (The copies of a chosen
-    layer are then done before the next layer's can start, so no copy waits behind another's.) The block's last
-    layer, layers that copied nothing and every layer without a measured rate are not chosen."""
-    return [bool(not t.last and t.copied_bytes and bytes_per_ms and t.copied_bytes / bytes_per_ms <= t.window_ms)
-            for t in timings]
-
-
-class MeasuredLayer:
-    """Timing events of one layer in a measured pass (compute stream: its forward's end; offload stream: its copies)."""
-
-    def __init__(self, number: int, last: bool, end):
-        self.number, self.last, self.end = number, last, end
-        self.copy_start = self.copy_end = None
-        self.copied_bytes = 0
-
-
-class MeasuredPass:
-    """Timing events of one block pass: its start, each layer, its end (compute stream)."""
-
-    def __init__(self, start):
-        self.start, self.end = start, None
-        self.layers: list[MeasuredLayer] = []
-
-
-def device_timings(measured: MeasuredPass) -> list[LayerTiming]:
-    """LayerTimings from a pass's events (waits for them once). The stand-in sources of the tests replace this."""
-    measured.end.synchronize()
-    timings = []
-    for index, layer in enumerate(measured.layers):
-        following = measured.layers[index + 1].end if index + 1 < len(measured.layers) else measured.end
-        copy_ms = 0.0
-        if layer.copied_bytes:
-            layer.copy_end.synchronize()
-            copy_ms = layer.copy_start.elapsed_time(layer.copy_end)
-        timings.append(LayerTiming(layer.number, layer.end.elapsed_time(following), layer.copied_bytes, copy_ms,
-                                   layer.last))
-    return timings
-
-
-class BlockPlan:
-    """What one TransformerBlock (one model chunk: a virtual stage's) swaps: every candidate while its first passes
-    are measured, then the layers select_layers chose (by layer number)."""
-
-    def __init__(self):
-        self.measured: list[MeasuredPass] = []
-        self.chosen: set[int] | None = None
-        self.timings: list[LayerTiming] | None = None
-
-
-class HostPool:
-    """Host buffers by exact size, reused across steps. A buffer comes back with the event of the last copy that
-    reads it; whoever takes it next makes its stream wait for that event before writing."""
-
-    def __init__(self, backend):
-        self.backend = backend
-        self.free: dict[int, list] = collections.defaultdict(list)
-        self.allocated_bytes = 0
-
-    def take(self, nbytes: int):
-        if self.free[nbytes]:
-            return self.free[nbytes].pop()
-        self.allocated_bytes += nbytes
-        return self.backend.host_buffer(nbytes), None
-
-    def give(self, buffer, last_reader_event) -> None:
-        self.free[buffer.numel()].append((buffer, last_reader_event))
-
-
-def _whole_storage(storage, device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-
-
-class StoredStorage:
-    """One device storage saved by the swapped modules of one layer pass: on the device, in host memory, kept
-    (something else holds it), or restored."""
-
-    def __init__(self, manager: "SwapManager", storage, layer: "LayerPass"):
-        self.manager, self.layer = manager, layer
-        self.nbytes = storage.nbytes()
-        self.device = manager.device
-        self.state = "device"
-        self.keeper = _whole_storage(storage, self.device)
-        self.host = self.offload_event = self.restored = self.prefetch_event = None
-        self.waited = False
-
-    # forward
-    def offload(self) -> None:
-        if self.keeper.untyped_storage().nbytes() != self.nbytes:  # released meanwhile by its owner (megatron's
-            self.state = "kept"                                     # discard-output recompute): leave it to it
-            return
-        m = self.manager
-        self.host, ready = m.pool.take(self.nbytes)
-        m.offload_stream.wait_stream(m.backend.current_stream())
-        if ready is not None:
-            m.offload_stream.wait_event(ready)
-        with m.backend.use_stream(m.offload_stream):
-            self.host.copy_(self.keeper, non_blocking=True)
-            self.offload_event = m.backend.new_event()
-            self.offload_event.record(m.offload_stream)
-        m.in_use_on(self.keeper, m.offload_stream)
-        self.state = "copying"
-
-    def release(self) -> None:
-        """Let go of the device storage; keep it after all if anything else still holds it."""
-        if self.state != "copying":
-            return
-        alive = weakref.ref(self.keeper.untyped_storage())
-        self.keeper = None
-        storage = alive()
-        if storage is None:
-            self.state = "host"
-            self.manager.stats["offloaded_bytes"] += self.nbytes
-            return
-        self.keeper = _whole_storage(storage, self.device)
-        self.manager.pool.give(self.host, self.offload_event)
-        self.host = None
-        self.state = "kept"
-        self.manager.stats["kept_shared_bytes"] += self.nbytes
-
-    # backward
-    def prefetch(self, on_demand: bool = False) -> None:
-        if self.state != "host":
-            return
-        m = self.manager
-        source = m.host_source(self)
-        self.restored = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        m.prefetch_stream.wait_stream(m.backend.current_stream())  # the allocation's earlier users are done
-        m.prefetch_stream.wait_event(self.offload_event)
-        with m.backend.use_stream(m.prefetch_stream):
-            self.restored.copy_(source, non_blocking=True)
-            self.prefetch_event = m.backend.new_event()
-            self.prefetch_event.record(m.prefetch_stream)
-        # allocated on the compute stream, written on the prefetch stream: if it is freed before unpack waits
-        # (a graph dropped without backward), the allocator must not reuse it while the copy still writes
-        m.in_use_on(self.restored, m.prefetch_stream)
-        m.pool.give(self.host, self.prefetch_event)
-        self.host = None
-        self.state = "restored"
-        m.stats["fetched_on_demand" if on_demand else "prefetched"] += 1
-
-    def storage_for_unpack(self):
-        if self.state == "host":
-            self.prefetch(on_demand=True)
-        if self.state == "restored":
-            if not self.waited:
-                self.manager.backend.current_stream().wait_event(self.prefetch_event)
-                self.waited = True
-            return self.restored.untyped_storage()
-        return self.keeper.untyped_storage()
-
-    def memory_residence(self) -> tuple[str, object, int]:
-        """(residence, key that identifies the bytes, bytes) for the memory accountant."""
-        if self.state in ("host", "copying"):
-            return "host", ("swap", id(self)), self.nbytes
-        held = self.restored if self.state == "restored" else self.keeper
-        storage = held.untyped_storage()
-        return "device", (storage.data_ptr(), storage.nbytes()), storage.nbytes()
-
-    def __del__(self):
-        try:
-            if self.host is not None:  # never fetched back (forward without backward): the buffer goes home
-                self.manager.pool.give(self.host, self.offload_event)
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
-
-
-class SwappedTensor:
-    """What autograd keeps in place of a saved tensor: its storage's record and how to view it again."""
-
-    __slots__ = ("stored", "dtype", "offset", "size", "stride", "__weakref__")
-
-    def __init__(self, stored: StoredStorage, t: torch.Tensor):
-        self.stored, self.dtype = stored, t.dtype
-        self.offset, self.size, self.stride = t.storage_offset(), t.size(), t.stride()
-
-    def unpack(self) -> torch.Tensor:
-        storage = self.stored.storage_for_unpack()
-        return torch.empty(0, dtype=self.dtype, device=self.stored.device).set_(storage, self.offset, self.size,
-                                                                                 self.stride)
-
-    def memory_residence(self):
-        return self.stored.memory_residence()
 
 
 class LayerPass:
