@@ -28,10 +28,18 @@ class Needs:
 
 
 NEEDS: dict[str, Needs] = {
+    # expert TP 1: the matrix's layouts put TP2 beside the experts, and expert TP follows TP by default
+    "balanced-moe-experts": Needs(frozenset({"moe"}), ("--expert-tensor-parallel-size", "1"),
+                                  feature_args=("--balanced-moe-hot-expert-num", "1")),
     "coc": Needs(frozenset({"tp"})),
     # its main flag takes the size; the ring, on the smallest CP group
     "context-parallel": Needs(frozenset({"cp"}), feature_args=("2", "--context-parallel-algo", "megatron_cp_algo")),
     "fused-gmm": Needs(frozenset({"moe"}), ("--moe-grouped-gemm", "--disable-bias-linear")),
+    "moe-alltoall-overlap-comm": Needs(frozenset({"moe"}), ("--moe-token-dispatcher-type", "alltoall",
+                                                           "--disable-bias-linear")),
+    # beside TP (coc's) experts are TP-split, which megatron serves without biases only
+    "moe-permutation-async-comm": Needs(frozenset({"moe"}), ("--disable-bias-linear",)),
+    "moe-tp-extend-ep": Needs(frozenset({"tp", "moe"}), ("--disable-bias-linear",)),  # it refuses TP 1
     "moe-zero-memory": Needs(frozenset({"moe"}), ("--disable-bias-linear",), feature_args=("level0",)),
     "reuse-fp32-param": Needs(base_args=("--bf16",)),
     "swap-attention": Needs(feature_args=("--swap-min-bytes", "0")),  # the tiny model's tensors are all small

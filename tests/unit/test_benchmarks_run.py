@@ -48,6 +48,17 @@ def test_benchmark_prints_its_table(script, args, rows):
     assert not any("nan" in line or "inf" in line for line in measured), stdout
 
 
+def test_moe_overlap_benchmark_checks_bit_for_bit_and_reports_the_hidden_fraction():
+    """EP2 over gloo, shared experts: the script stops unless every chunk count's output and gradients equal
+    megatron's; then one row per configuration with its hidden fraction."""
+    stdout = run_script("moe_overlap.py", "--tokens", "64", "--hidden", "32", "--ffn", "32", "--experts", "4",
+                        "--shared-ffn", "32", "--chunks", "1,2", "--iters", "2", "--warmup", "1")
+    header, rows = table_rows(stdout)
+    assert "hidden fraction" in header and [row[0] for row in rows][1:] == [
+        "--moe-alltoall-overlap-comm, 1 chunks", "--moe-alltoall-overlap-comm, 2 chunks"], stdout
+    assert all(float(row[1]) > 0 for row in rows), stdout
+
+
 def test_vlm_throughput_runs_the_trainer_and_the_transformers_peer():
     """The device benchmark's CPU size (gpu_session.sh vlm runs it on a device): both trainer runs and the peer
     train, and the table holds their tokens/s, TFLOP/s, peak memory and ratios to the peer."""
@@ -309,3 +320,16 @@ def test_vision_encoder_memory_benchmark_measures_both_paths(monkeypatch):
     assert dense["bytes"] > varlen["bytes"] > 0
     assert dense["dense / varlen"] == pytest.approx(dense["bytes"] / varlen["bytes"])
 
+
+
+def test_moe_balance_compares_balanced_with_unbalanced_experts():
+    """EP2, one step, a strong skew: both runs train to the same loss; balanced, the busiest rank computes fewer
+    expert rows and sends fewer all-to-all bytes, and receives the hot experts' parameters."""
+    stdout = run_script("moe_balance.py", "--ep", "2", "--steps", "1", "--seq", "64", "--layers", "1",
+                        "--experts", "4", "--hot", "1", "--skew", "3")
+    header, rows = table_rows(stdout)
+    assert [row[1] for row in rows] == ["unbalanced", "--balanced-moe-experts N 1"], stdout
+    off, on = rows
+    assert float(on[2]) < float(off[2]) and float(on[3]) < float(off[3]), stdout
+    assert int(on[5].replace(",", "")) < int(off[5].replace(",", "")), stdout
+    assert off[7] == "0" and int(on[7].replace(",", "")) > 0 and on[8] == off[8], stdout
