@@ -71,6 +71,10 @@ def _check_device_serves(megatron_args) -> None:
 
 def _enable_after_validation(wrapped, instance, args, kwargs):
     megatron_args = args[0] if args else kwargs.get("args")
+    # a feature that is Megatron's own arguments with other values (Feature.megatron_arguments, e.g.
+    # --moe-tp-extend-ep): Megatron validates and builds the rewritten layout
+    options = features.fill_defaults(megatron_args)
+    features.express_in_megatron_arguments(options, features.serving(options, features.enabled_features(options)))
     result = _validate_with_overrides(wrapped, args, kwargs, megatron_args)
     from mm_adaptor import __version__, devices
     from mm_adaptor.api import applied_features, enable

@@ -24,6 +24,9 @@ def _hf_to_mcore_parser() -> ArgumentParser:
     parser.add_argument("--tensor-model-parallel-size", "--tp", type=int, default=1, dest="tp")
     parser.add_argument("--expert-model-parallel-size", "--ep", type=int, default=1, dest="ep",
                         help="experts per MoE layer must divide by it (default 1)")
+    parser.add_argument("--moe-tp-extend-ep", action="store_true",
+                        help="for training with --moe-tp-extend-ep: the experts spread whole over TP x EP ranks, "
+                             "which must divide them (recorded as expert TP 1, EP TP x EP; the files are the same)")
     parser.add_argument("--llm-pp-layers", default=None,
                         help="language layers per pipeline stage: [[12,16]] (MindSpeed-MM) or 12,16; "
                              "default all on one")
@@ -116,7 +119,8 @@ def main(argv: list[str]) -> int:
         elif argv[0] == "hf-to-mcore" and args.lora:
             from mm_adaptor.lora.convert import hf_to_mcore
 
-            if (args.tp, args.ep, args.llm_pp_layers, args.vit_pp_layers) != (1, 1, None, None):
+            if (args.tp, args.ep, args.llm_pp_layers, args.vit_pp_layers, args.moe_tp_extend_ep) != \
+                    (1, 1, None, None, False):
                 raise ConvertError("--lora converts an adapter, which the trainer reshards to its layout on load: "
                                    "drop the layout flags")
             figures = hf_to_mcore(args.lora, args.hf_dir, args.mcore_dir)
@@ -126,7 +130,8 @@ def main(argv: list[str]) -> int:
 
             figures = convert(args.hf_dir, args.mcore_dir, args.tp,
                               parse_layers(args.llm_pp_layers, "--llm-pp-layers"),
-                              parse_layers(args.vit_pp_layers, "--vit-pp-layers"), args.ep)
+                              parse_layers(args.vit_pp_layers, "--vit-pp-layers"), args.ep,
+                              args.moe_tp_extend_ep)
         else:
             from mm_adaptor.convert.mcore_to_hf import convert
 

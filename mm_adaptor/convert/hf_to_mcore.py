@@ -54,7 +54,7 @@ def progress(message: str) -> None:
     print(f"convert: {message}", file=sys.stderr, flush=True)
 
 
-def plan(hf_dir: Path, tp: int, llm, vit, ep: int = 1):
+def plan(hf_dir: Path, tp: int, llm, vit, ep: int = 1, moe_tp_extend_ep: bool = False):
     """Every check before anything is written: config (the family's model must take it), layout, names, the fused
     experts' layout. Returns (family, layout, shard files, the fused experts' transformers major or None)."""
     from safetensors import safe_open
@@ -67,7 +67,7 @@ def plan(hf_dir: Path, tp: int, llm, vit, ep: int = 1):
         dims = dims_for(family.config)
     except (KeyError, ValueError) as error:
         raise ConvertError(f"{config_path}: {error}") from None
-    layout = validate(dims, tp, llm, vit, ep, family.num_experts)
+    layout = validate(dims, tp, llm, vit, ep, family.num_experts, moe_tp_extend_ep)
     files = hf_files(hf_dir)
     shapes = {}
     for path in files:
@@ -109,11 +109,11 @@ def check_fused(family, shapes: dict) -> int | None:
     return major
 
 
-def convert(hf_dir, out, tp: int = 1, llm=None, vit=None, ep: int = 1) -> dict:
+def convert(hf_dir, out, tp: int = 1, llm=None, vit=None, ep: int = 1, moe_tp_extend_ep: bool = False) -> dict:
     """Refuses before writing (ConvertError); returns figures (seconds, tensors, bytes)."""
     hf_dir, out = Path(hf_dir), Path(out)
     require_empty(out)
-    family, layout, files, major = plan(hf_dir, tp, llm, vit, ep)
+    family, layout, files, major = plan(hf_dir, tp, llm, vit, ep, moe_tp_extend_ep)
     try:
         return _write(family, layout, files, hf_dir, out, major)
     except BaseException:

@@ -39,19 +39,36 @@ class Layout:
     llm_pp_layers: list[list[int]]
     vit_pp_layers: list[list[int]]
     ep: int = 1
+    moe_tp_extend_ep: bool = False  # the experts spread over TP x EP ranks whole (expert TP 1, EP tp x ep)
 
     @property
     def pp(self) -> int:
         return len(self.llm_pp_layers[0])
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "pp": self.pp}
+        recorded = {**asdict(self), "pp": self.pp}
+        if self.moe_tp_extend_ep:  # what megatron builds: expert tensor parallelism 1, expert parallelism tp x ep
+            recorded.update(expert_tensor_parallel_size=1, expert_model_parallel_size=self.tp * self.ep)
+        else:
+            recorded.pop("moe_tp_extend_ep")
+        return recorded
 
 
 def validate(dims: dict, tp: int, llm: list[list[int]] | None, vit: list[list[int]] | None, ep: int = 1,
-             experts: int = 0) -> Layout:
+             experts: int = 0, moe_tp_extend_ep: bool = False) -> Layout:
     """Refuses (ConvertError, one line) a layout the model cannot take; `dims` as mapping.dims gives them, `experts`
-    the experts per MoE layer (0: a dense model)."""
+    the experts per MoE layer (0: a dense model); moe_tp_extend_ep: the training's --moe-tp-extend-ep (whole experts
+    over TP x EP ranks; the files are the same, each expert under its global number)."""
+    if moe_tp_extend_ep:
+        if not experts:
+            raise ConvertError("--moe-tp-extend-ep spreads experts over the tensor-parallel ranks: the model has none")
+        if tp < 2:
+            raise ConvertError(f"--moe-tp-extend-ep with --tensor-model-parallel-size {tp}: nothing to extend (give "
+                               "the training's TP, 2 or more)")
+        if tp >= 1 and ep >= 1 and experts % (tp * ep):
+            raise ConvertError(f"--moe-tp-extend-ep: the model's {experts} experts do not divide over "
+                               f"--tensor-model-parallel-size {tp} x --expert-model-parallel-size {ep} = {tp * ep} "
+                               "ranks")
     if tp < 1:
         raise ConvertError(f"--tensor-model-parallel-size {tp}: must be at least 1")
     if ep < 1:
@@ -80,4 +97,4 @@ def validate(dims: dict, tp: int, llm: list[list[int]] | None, vit: list[list[in
     if any(n for c, chunk in enumerate(vit) for s, n in enumerate(chunk) if (c, s) != (0, 0)):
         raise ConvertError(f"--vit-pp-layers {json.dumps(vit)} puts vision layers on a stage other than the first "
                            "(the vision tower runs on the first stage)")
-    return Layout(tp, llm, vit, ep)
+    return Layout(tp, llm, vit, ep, moe_tp_extend_ep)

@@ -120,6 +120,10 @@ class Feature:
     # Each rank holds other tokens than in the unpatched run (e.g. context parallelism against data parallelism):
     # the check judges losses, gradients and parameters, not per-rank module outputs.
     splits_sequence: bool = False
+    # Each rank holds other experts (or other slices of them) than in the unpatched run (e.g. expert tensor
+    # parallelism folded into expert parallelism): the check compares expert parameters and gradients whole, each
+    # assembled from every rank by its global expert index (harness.expert_view.assemble_experts).
+    regroups_experts: bool = False
     # The feature's facts, read by contracts, verification, report and the docs:
     # the megatron-core versions its regression checks passed on, each with the one-line reason it is trusted there
     # (a patch serves where the installed function's code is that of one of these; docs/megatron-lm.md has detail);
@@ -144,6 +148,12 @@ class Feature:
         """Consulted only when the main flag is Megatron-owned: why this feature cannot serve the configuration
         (it is then not applied and Megatron's own meaning of the flag stays, with one warning), or None."""
         return None
+
+    def megatron_arguments(self, options) -> dict[str, Any]:
+        """Megatron's own arguments that express this feature ({} for a feature that patches code): argument name ->
+        the value Megatron is given, computed from the user's values (users_value). Set once on the arguments before
+        Megatron's layout is checked and built (express_in_megatron_arguments); {} where validate refuses."""
+        return {}
 
     def patch_sets(self, options) -> list[PatchSet]:
         raise NotImplementedError
@@ -310,6 +320,33 @@ def validate(options, features: Iterable[Feature]) -> None:
                     f"drop one of them"
                 )
         feature.validate(options)
+
+
+# Where the user's values of the arguments a feature rewrote are kept (Feature.megatron_arguments).
+USERS_ARGUMENTS = "mm_adaptor_users_arguments"
+
+
+def users_value(options, name: str, default=None):
+    """The user's value of an argument, also after a feature expressed itself in it (express_in_megatron_arguments)."""
+    kept = getattr(options, USERS_ARGUMENTS, None) or {}
+    return kept[name] if name in kept else getattr(options, name, default)
+
+
+def express_in_megatron_arguments(options, enabled: Iterable[Feature]) -> dict[str, Any]:
+    """Set on `options` the Megatron arguments the enabled features are expressed in (Feature.megatron_arguments),
+    once: a second call changes nothing. Returns the user's values of what was rewritten (also kept on the options,
+    where users_value reads them)."""
+    kept = getattr(options, USERS_ARGUMENTS, None)
+    if kept is not None:
+        return kept
+    rewritten: dict[str, Any] = {}
+    for feature in enabled:
+        for name, value in feature.megatron_arguments(options).items():
+            rewritten.setdefault(name, getattr(options, name, None))
+            setattr(options, name, value)
+    if rewritten:
+        setattr(options, USERS_ARGUMENTS, rewritten)
+    return rewritten
 
 
 @dataclass

@@ -180,12 +180,13 @@ def compare(feature_args: list[str], *, layout: str | None = None, extra_args: l
     if require_features and not on.features:
         raise HarnessError(f"{' '.join(feature_args)} applied no feature in the training run")
     precision = verdict.precision_of(vars(on_args))
-    limits = verdict.limits_for(tol, precision, noise and verdict.noise_table(off, *noise))
+    whole = any(f.regroups_experts for f in switched_on) and verdict.expert_layouts_differ(off, on)
+    limits = verdict.limits_for(tol, precision, noise and verdict.noise_table(off, *noise, whole_experts=whole))
     calibration = "" if tol.exact else device_calibration.apply(limits, layout, device_calibrated)
     return Comparison(
         layout=layout or _described_layout(on_args), precision=precision, feature_args=list(feature_args),
         tolerance=tol, limits=limits, losses_off=off.losses, losses_on=on.losses,
-        verdicts=verdict.judge(off, on, limits, skip=_not_comparable(switched_on, on_args)),
+        verdicts=verdict.judge(off, on, limits, skip=_not_comparable(switched_on, on_args), whole_experts=whole),
         memory_off=off.memory, memory_on=on.memory, noise_draws=draws, calibration=calibration,
     )
 
@@ -194,8 +195,11 @@ def _not_comparable(switched_on, on_args) -> tuple[str, ...]:
     """Where a feature hands each rank other tokens than the unpatched run does (context parallelism against data
     parallelism): the module outputs differ by construction, and so do the gradient shards a rank of the distributed
     optimizer does not own (each holds its own tokens' partial sums there). Losses and parameters still judge it."""
+    regrouped = any(f.regroups_experts for f in switched_on) and on_args.use_distributed_optimizer
     if not any(f.splits_sequence for f in switched_on):
-        return ()
+        # experts regrouped under the distributed optimizer: the expert gradient buffers are sharded over other
+        # boundaries, so the shards a rank does not own hold other partial sums
+        return ("gradients",) if regrouped else ()
     return ("activations", "gradients") if on_args.use_distributed_optimizer else ("activations",)
 
 

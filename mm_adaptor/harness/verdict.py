@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mm_adaptor.core.features import Tolerance
+from mm_adaptor.harness.expert_view import assemble_experts, expert_layouts_differ, not_expert  # noqa: F401
 
 if TYPE_CHECKING:  # torch is imported where tensors are judged, so `mm-adaptor check` refuses bad input fast
     import torch
@@ -87,7 +88,7 @@ def precision_of(args: dict) -> str:
     return "bf16" if args.get("bf16") else "fp16" if args.get("fp16") else "fp32"
 
 
-_NUMBERED = [(re.compile(r"^chunk\d+\."), ""), (re.compile(r"(layers|local_experts)\.\d+"), r"\1.*"),
+_NUMBERED = [(re.compile(r"^chunk\d+\."), ""), (re.compile(r"(layers|local_experts|global_experts)\.\d+"), r"\1.*"),
              (re.compile(r"\bL\d+\."), "L*.")]
 
 
@@ -136,17 +137,42 @@ class Point:
         return self.group, kind_of(self.name), self.step
 
 
-def points(off, on):
-    """Every comparison point of two dumps of the same configuration."""
+def points(off, on, whole_experts: bool = False):
+    """Every comparison point of two dumps of the same configuration. whole_experts: the expert parameters and
+    their gradients are compared whole, by global expert index (assembled from every rank: assemble_experts), for two
+    runs whose ranks hold other experts or other slices of them (expert_layouts_differ)."""
     for step, (a, b) in enumerate(zip(off.losses, on.losses), start=1):
         yield Point("loss", step, 0, "lm loss", a, b)
+    local = not_expert if whole_experts else dict
     for r_off, r_on in zip(off.ranks, on.ranks):
         rank = r_off.rank
         yield from _named("activations", 1, rank, r_off.activations, r_on.activations)
         for step, (g_off, g_on) in enumerate(zip(r_off.grads, r_on.grads), start=1):
-            yield from _named("gradients", step, rank, g_off, g_on)
+            yield from _named("gradients", step, rank, local(g_off), local(g_on))
         updates = {n: r_off.params[n] - r_off.initial_params[n] for n in r_off.params if n in r_off.initial_params}
-        yield from _named("parameters", len(r_off.grads), rank, r_off.params, r_on.params, updates)
+        yield from _named("parameters", len(r_off.grads), rank, local(r_off.params), local(r_on.params), updates)
+    if whole_experts:
+        yield from _whole_expert_points(off, on)
+
+
+def _whole_expert_points(off, on):
+    steps = min(min((len(r.grads) for r in off.ranks), default=0), min((len(r.grads) for r in on.ranks), default=0))
+    for step in range(steps):
+        yield from _assembled("gradients", step + 1, off, on, lambda r, s=step: r.grads[s])
+    params_off = assemble_experts(off, lambda r: r.params)
+    initial_off = assemble_experts(off, lambda r: r.initial_params)
+    updates = {k: t - initial_off[k][1] for k, (_, t) in params_off.items() if k in initial_off}
+    final = len(off.ranks[0].grads) if off.ranks else 0
+    yield from _assembled("parameters", final, off, on, lambda r: r.params, updates, params_off)
+
+
+def _assembled(group, step, off, on, tensors_of, references=None, assembled_off=None):
+    a = assembled_off if assembled_off is not None else assemble_experts(off, tensors_of)
+    b = assemble_experts(on, tensors_of)
+    for key in sorted(set(a) | set(b)):
+        rank = (a.get(key) or b.get(key))[0]
+        yield Point(group, step, rank, key, (a.get(key) or (None, None))[1], (b.get(key) or (None, None))[1],
+                    (references or {}).get(key))
 
 
 def _named(group, step, rank, off: dict, on: dict, references: dict | None = None):
@@ -170,14 +196,14 @@ def _shape_problem(point: Point) -> str | None:
     return None
 
 
-def noise_table(off, *draws) -> dict[tuple, dict[str, float]]:
+def noise_table(off, *draws, whole_experts: bool = False) -> dict[tuple, dict[str, float]]:
     """The largest statistic of each kind at each step over the noise draws: the rounding perturbations (one draw
     at the parameters below Adam's eps can be zero, and at step 1 one draw can sit low at a kind where the feature's
     legitimate rounding change does not: compare.NOISE_PARTS) and, on a device that is not bitwise reproducible, an
     unperturbed repeat of the unpatched run."""
     table: dict[tuple, dict[str, float]] = {}
     for draw in draws:
-        for point in points(off, draw):
+        for point in points(off, draw, whole_experts):
             if _shape_problem(point):
                 continue
             largest = table.setdefault(point.kind, {})
@@ -294,11 +320,12 @@ def _describe(stats: dict) -> str:
     return ", ".join(f"{k} {v:.2e}" for k, v in stats.items())
 
 
-def judge(off, on, limits: Limits, skip: tuple[str, ...] = ()) -> dict[str, GroupVerdict]:
+def judge(off, on, limits: Limits, skip: tuple[str, ...] = (),
+          whole_experts: bool = False) -> dict[str, GroupVerdict]:
     """skip: groups not comparable between the two runs (e.g. activations, where the feature's layout hands each
-    rank other tokens than the unpatched one's)."""
+    rank other tokens than the unpatched one's). whole_experts: see points."""
     verdicts = {group: GroupVerdict(group) for group in GROUPS if group not in skip}
-    for point in points(off, on):
+    for point in points(off, on, whole_experts):
         if point.group not in skip:
             verdicts[point.group].add(point, limits)
     if len(off.losses) != len(on.losses):

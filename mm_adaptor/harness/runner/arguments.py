@@ -70,6 +70,8 @@ def build_parser(prog: str = "mm-adaptor check") -> argparse.ArgumentParser:
     lay.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     lay.add_argument("--sequence-parallel", action="store_true")
     lay.add_argument("--expert-model-parallel-size", type=int, default=1)
+    lay.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                     help="tensor-parallel size of the experts (megatron's; default: --tensor-model-parallel-size)")
     lay.add_argument("--use-distributed-optimizer", action="store_true")
     lay.add_argument("--overlap-grad-reduce", action="store_true")
     lay.add_argument("--overlap-param-gather", action="store_true")

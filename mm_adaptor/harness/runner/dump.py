@@ -22,6 +22,7 @@ class RankDump:
     params: dict = field(default_factory=dict)
     memory: dict = field(default_factory=dict)
     features: list = field(default_factory=list)
+    expert_layout: dict = field(default_factory=dict)  # where this rank's experts sit among all (expert_layout)
 
 
 @dataclass
@@ -112,6 +113,22 @@ def _recorded_modules(model):
                     yield f"chunk{i}.L{layer.layer_number}.{sub or 'output'}", module
 
 
+def expert_layout(model) -> dict:
+    """This rank's place in megatron's expert groups, which names its local experts' global indices
+    (harness.expert_view.assemble_experts assembles each expert from the ranks' slices by it); {} for a model without
+    experts."""
+    from megatron.core import parallel_state as ps
+
+    module = unwrap(model[0])
+    config = getattr(getattr(module, "language_model", module), "config", None)  # a VLM: its language model's
+    if not getattr(config, "num_moe_experts", None):
+        return {}
+    return {"num_experts": config.num_moe_experts, "glu": bool(config.gated_linear_unit),
+            "ep_rank": ps.get_expert_model_parallel_rank(), "ep_size": ps.get_expert_model_parallel_world_size(),
+            "etp_rank": ps.get_expert_tensor_parallel_rank(), "etp_size": ps.get_expert_tensor_parallel_world_size(),
+            "pp_rank": ps.get_pipeline_model_parallel_rank()}
+
+
 class Recorder:
     """Collects one rank's dump during training."""
 
@@ -152,7 +169,8 @@ class Recorder:
                           grad_norms=[r.grad_norm for r in state.records], grads=self.grads,
                           activations=self.activations, initial_params=self.initial_params,
                           params=parameters_snapshot(self.model),
-                          memory=memory, features=list(applied_features()))
+                          memory=memory, features=list(applied_features()),
+                          expert_layout=expert_layout(self.model))
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         torch.save(asdict(record), path / f"rank{rank}.pt")

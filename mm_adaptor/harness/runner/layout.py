@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from mm_adaptor.core import features
 from mm_adaptor.train import families
 from mm_adaptor.train.model import ffn_hidden_size
 
@@ -95,6 +96,8 @@ def finalize_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise LayoutError(*problems)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    # a feature that is Megatron's own arguments with other values (e.g. --moe-tp-extend-ep) sets them here, once
+    features.express_in_megatron_arguments(args, features.serving(args, features.enabled_features(args)))
     problems = (_precision_problems(args) + _parallel_layout(args, world_size, family) + _attention_problems(args)
                 + _width_problems(args) + _expert_problems(args, world_size) + _batches(args)
                 + _optimizer_and_recompute_problems(args, family))
@@ -194,32 +197,42 @@ def _width_problems(args) -> list[str]:
 def _expert_problems(args, world_size: int) -> list[str]:
     problems = []
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    etp = getattr(args, "expert_tensor_parallel_size", None)
     if args.num_experts is None:
         if ep > 1:
             problems.append("--expert-model-parallel-size > 1 needs --num-experts")
+        if etp is not None:
+            problems.append("--expert-tensor-parallel-size needs --num-experts")
         if args.moe_ffn_hidden_size is not None:
             problems.append("--moe-ffn-hidden-size needs --num-experts")
         return problems
     if args.num_experts % ep != 0:
         problems.append(_not_divisible("--num-experts", args.num_experts, "--expert-model-parallel-size", ep))
-    expert_ranks = tp * ep * pp  # megatron's expert tensor-parallel size defaults to the tensor-parallel size
-    if ep > 1 and world_size % expert_ranks != 0:
+    if etp is not None and etp < 1:
+        problems.append(f"--expert-tensor-parallel-size {etp}: must be at least 1")
+        return problems
+    given = etp is not None
+    etp = etp or tp  # megatron's expert tensor-parallel size defaults to the tensor-parallel size
+    expert_ranks = etp * ep * pp
+    if (ep > 1 or etp != tp) and world_size % expert_ranks != 0:
         needed = math.lcm(tp * pp, expert_ranks)
+        size = (f"--expert-tensor-parallel-size {etp}" if given else
+                f"expert tensor-parallel size {etp} (megatron's default: --tensor-model-parallel-size)")
         problems.append(
-            f"world size {world_size} is not divisible by expert tensor-parallel size {tp} (megatron's default: "
-            f"--tensor-model-parallel-size) x --expert-model-parallel-size {ep} x --pipeline-model-parallel-size "
-            f"{pp} = {expert_ranks}: use a multiple of {needed} ranks (--nproc-per-node) or a smaller "
-            "--expert-model-parallel-size")
-    if tp > 1 and not args.disable_bias_linear:
+            f"world size {world_size} is not divisible by {size} x --expert-model-parallel-size {ep} x "
+            f"--pipeline-model-parallel-size {pp} = {expert_ranks}: use a multiple of {needed} ranks "
+            "(--nproc-per-node) or a smaller --expert-model-parallel-size")
+    if etp > 1 and not args.disable_bias_linear:
         problems.append("MoE with --tensor-model-parallel-size > 1 (experts split the same way) needs "
                         "--disable-bias-linear: megatron supports expert biases only without expert tensor "
                         "parallelism")
     if tp > 1 and not args.sequence_parallel:
         problems.append("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel: megatron-core "
                         "refuses to train MoE layers under tensor parallelism without it")
-    if args.moe_ffn_hidden_size is not None and args.moe_ffn_hidden_size % tp != 0:
+    if args.moe_ffn_hidden_size is not None and args.moe_ffn_hidden_size % etp != 0:
         problems.append(_not_divisible("--moe-ffn-hidden-size", args.moe_ffn_hidden_size,
-                                       "--tensor-model-parallel-size", tp))
+                                       "--expert-tensor-parallel-size" if given else "--tensor-model-parallel-size",
+                                       etp))
     return problems
 
 

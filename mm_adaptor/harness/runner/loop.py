@@ -162,6 +162,7 @@ def _build(args, device) -> RunState:
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         context_parallel_size=getattr(args, "context_parallel_size", 1),
         expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
     )
     init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size, args.micro_batch_size,
                                      args.data_parallel_size)

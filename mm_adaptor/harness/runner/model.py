@@ -35,6 +35,7 @@ def transformer_config(args):
         context_parallel_size=getattr(args, "context_parallel_size", 1),
         sequence_parallel=args.sequence_parallel,
         expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=args.bf16,
