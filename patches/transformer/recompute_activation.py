@@ -96,7 +96,8 @@ def mlp_forward_recomputing_activation(wrapped, instance, args, kwargs, checkpoi
     checkpoint = (checkpoint_class or tensor_parallel.CheckpointWithoutOutput)(fp8=None)
     activated = checkpoint.checkpoint(activation, *inputs)
     input_storages = {t.untyped_storage().data_ptr() for t in inputs}
-    if activated.untyped_storage().data_ptr() in input_storages:
+    # (an empty activation, an expert given no rows, has the null data pointer of its empty input too: recompute it)
+    if activated.numel() and activated.untyped_storage().data_ptr() in input_storages:
         # an activation that hands back (a view of) its input: nothing to release
         checkpoint.outputs, checkpoint.ctx, checkpoint.run_function = None, None, None
         discard = False

@@ -100,6 +100,12 @@ def test_one_mlp_releases_and_refills_the_activation(recompute_on):
     assert torch.equal(out, out_plain)
     for g, g_plain in zip(grads, grads_plain):
         assert torch.equal(g, g_plain)
+    # an expert given no rows (--balanced-moe-experts computes every hot expert on every rank): the empty activation
+    # shares the empty input's null data pointer, and must still be recomputed, not taken for a view of its input
+    out, _ = MLP.forward(fake, x[:0])
+    assert out.shape == (0, 4)
+    (out.sum() + (x * 0).sum()).backward()
+    assert w1.grad is None or not w1.grad.any()
 
 
 class _Fn(torch.nn.Module):
