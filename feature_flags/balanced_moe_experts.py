@@ -7,7 +7,8 @@ from collections import Counter
 
 from mm_adaptor.core.features import Feature, Flag, fused_kernel_tolerance, refuse_unless_local_spec, register, \
     users_value
-from mm_adaptor.core.verification import BASE_RELEASE, NO_GPU, ON_0_19_2, same_everywhere
+from mm_adaptor.core.verification import BASE_RELEASE, NO_GPU, ON_0_19_2, TP2_EXTENDED, fake_npu_check, \
+    same_everywhere
 
 MAIN = "--balanced-moe-experts"
 HOT = "--balanced-moe-hot-expert-num"
@@ -23,7 +24,7 @@ FOUR = {"balanced_moe_experts": True, "num_experts": 4, "expert_model_parallel_s
 class BalancedMoEExperts(Feature):
     name = "balanced-moe-experts"
     verified_on = {"0.16.1": BASE_RELEASE, "0.19.0": ON_0_19_2}
-    devices = same_everywhere(NO_GPU)
+    devices = same_everywhere(NO_GPU, fake_npu_check(TP2_EXTENDED))
     refusal_probes = (
         ("a model without experts", {"balanced_moe_experts": True}),
         ("N not below the number of experts", {**FOUR, "balanced_moe_hot_expert_num": 4}),

@@ -5,7 +5,8 @@ experts (and the shared experts) compute, forward and backward (patches/transfor
 from collections import Counter
 
 from mm_adaptor.core.features import Feature, Flag, Tolerance, refuse_unless_local_spec, register
-from mm_adaptor.core.verification import BASE_RELEASE, NO_GPU, ON_0_19_2, same_everywhere
+from mm_adaptor.core.verification import BASE_RELEASE, NO_GPU, ON_0_19_2, EP2_OVERLAP, fake_npu_check, \
+    same_everywhere
 
 MAIN = "--moe-alltoall-overlap-comm"
 CHUNKS = "--moe-alltoall-overlap-chunks"
@@ -17,7 +18,8 @@ A2A = "--moe-token-dispatcher-type alltoall"
 class MoEAlltoAllOverlap(Feature):
     name = "moe-alltoall-overlap-comm"
     verified_on = {"0.16.1": BASE_RELEASE, "0.19.0": ON_0_19_2}
-    devices = same_everywhere("gloo's background thread is the only concurrency it ran with; " + NO_GPU)
+    devices = same_everywhere("gloo's background thread is the only concurrency it ran with; " + NO_GPU,
+                              fake_npu_check(EP2_OVERLAP))
     refusal_probes = (
         ("the chunk count alone", {"moe_alltoall_overlap_chunks": 2, "num_experts": 4}),
         ("a model without experts", {"moe_alltoall_overlap_comm": True}),

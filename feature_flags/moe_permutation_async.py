@@ -7,7 +7,8 @@ import warnings
 from collections import Counter
 
 from mm_adaptor.core.features import Feature, Flag, Tolerance, refuse_unless_local_spec, register
-from mm_adaptor.core.verification import BASE_RELEASE, NO_GPU, ON_0_19_2, same_everywhere
+from mm_adaptor.core.verification import BASE_RELEASE, NO_GPU, ON_0_19_2, EP2_OVERLAP, fake_npu_check, \
+    same_everywhere
 
 MAIN = "--moe-permutation-async-comm"
 TARGETS = ("megatron.core.transformer.moe.moe_utils.permute", "megatron.core.transformer.moe.moe_utils.unpermute")
@@ -17,7 +18,8 @@ TARGETS = ("megatron.core.transformer.moe.moe_utils.permute", "megatron.core.tra
 class MoEPermutationAsync(Feature):
     name = "moe-permutation-async-comm"
     verified_on = {"0.16.1": BASE_RELEASE, "0.19.0": ON_0_19_2}
-    devices = same_everywhere("the side-stream path never ran (the CPU backend skips it); " + NO_GPU,
+    devices = same_everywhere("the side-stream path never ran on a GPU; " + NO_GPU,
+                              fake_npu_check(EP2_OVERLAP + " (the fake's streams are synchronous)"),
                               cpu="a recorded no-op on the CPU backend (no side streams), checked bit for bit in CI "
                                   "(tests/distributed)")
     refusal_probes = (

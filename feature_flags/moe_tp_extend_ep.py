@@ -4,7 +4,8 @@ larger. Nothing is patched: the feature is Megatron's arguments rewritten before
 layout (Feature.megatron_arguments); attention stays TP-sliced."""
 
 from mm_adaptor.core.features import Feature, Flag, fused_kernel_tolerance, register, users_value
-from mm_adaptor.core.verification import BASE_RELEASE, NO_GPU, ON_0_19_2, same_everywhere
+from mm_adaptor.core.verification import BASE_RELEASE, NO_GPU, ON_0_19_2, TP2_EXTENDED, fake_npu_check, \
+    same_everywhere
 
 MAIN = "--moe-tp-extend-ep"
 ETP, EP, TP = "--expert-tensor-parallel-size", "--expert-model-parallel-size", "--tensor-model-parallel-size"
@@ -23,7 +24,7 @@ class MoETpExtendEp(Feature):
     regroups_experts = True
     changes_parameter_layout = True  # whole experts initialise differently: both runs start from one checkpoint
     verified_on = {"0.16.1": BASE_RELEASE, "0.19.0": ON_0_19_2}
-    devices = same_everywhere(NO_GPU)
+    devices = same_everywhere(NO_GPU, fake_npu_check(TP2_EXTENDED))
     refusal_probes = (
         ("TP 1: nothing to extend", {"moe_tp_extend_ep": True, "num_experts": 4, "tensor_model_parallel_size": 1}),
         ("a model without experts", {"moe_tp_extend_ep": True, "tensor_model_parallel_size": 2,

@@ -26,6 +26,14 @@ RUNS = {
     "ep2_moe_bf16": (["--use-fused-gmm", "--reuse-fp32-param", "--moe-zero-memory", "level0"],
                      ["--num-layers", "2", "--num-experts", "4", "--expert-model-parallel-size", "2", *MODEL,
                       "--moe-grouped-gemm", "--disable-bias-linear", "--bf16"]),
+    # the chunked all-to-alls on HCCL, the permutation on a side stream of the NPU
+    "ep2_moe_overlap": (["--moe-alltoall-overlap-comm", "--moe-permutation-async-comm"],
+                        ["--num-layers", "2", "--num-experts", "4", "--expert-model-parallel-size", "2", *MODEL,
+                         "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear"]),
+    # TP2's ranks lent to EP2, the hot expert's weights broadcast and its gradients reduced over HCCL
+    "tp2_extend_balanced": (["--moe-tp-extend-ep", "--balanced-moe-experts", "--balanced-moe-hot-expert-num", "1"],
+                            ["--num-layers", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                             "--num-experts", "4", *MODEL, "--disable-bias-linear"]),
     "cp2_ring": (["--context-parallel-size", "2", "--context-parallel-algo", "megatron_cp_algo"],
                  ["--num-layers", "2", "--tensor-model-parallel-size", "1", "--nproc-per-node", "2", *MODEL]),
     "pp2_vpp": (["--vpp-extra-warmup"],
@@ -39,6 +47,8 @@ KERNELS = {
                        "npu_fusion_attention_grad"),
     "ep2_moe_bf16": ("npu_grouped_matmul",),
     "pp2_vpp": (),
+    "ep2_moe_overlap": (),  # HCCL's all-to-alls and the side stream, no torch_npu kernel
+    "tp2_extend_balanced": (),  # HCCL's broadcasts and reduces
     "cp2_ring": (),  # HCCL's point-to-point sends (the ring), no torch_npu kernel
 }
 NOT_ON_THE_FAKE = {
@@ -98,7 +108,8 @@ def test_verification_records_of_the_npu_say_what_this_module_ran():
     from mm_adaptor.core import verification
     by_flag = _flag_to_feature()
     layouts = {"tp2_sp_distopt": verification.TP2_DISTOPT, "ep2_moe_bf16": verification.EP2_BF16,
-               "pp2_vpp": verification.PP2_VPP, "cp2_ring": verification.CP2_RING}
+               "pp2_vpp": verification.PP2_VPP, "cp2_ring": verification.CP2_RING,
+               "ep2_moe_overlap": verification.EP2_OVERLAP, "tp2_extend_balanced": verification.TP2_EXTENDED}
     for run, (flags, _) in RUNS.items():
         for feature in {by_flag[t] for t in flags if t in by_flag}:
             record = verification.record(feature, "npu")

@@ -14,8 +14,9 @@ def _row(layout, precision, model, worst):
 
 @pytest.fixture
 def user_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv(device_calibration.DIR_ENV, str(tmp_path))
-    return tmp_path
+    monkeypatch.setenv(device_calibration.DIR_ENV, str(tmp_path / "user"))
+    monkeypatch.setattr(device_calibration, "SHIPPED", tmp_path / "shipped")  # none: only what a test stores
+    return tmp_path / "user"
 
 
 def test_a_stored_calibration_is_found_by_device_layout_and_precision(user_dir):

@@ -97,7 +97,8 @@ def test_fused_swiglu_patches_grouped_mlp_only_where_megatron_has_it(monkeypatch
 
 VERIFIED_0_19 = {"vpp-extra-warmup", "recompute-activation-function", "swap-attention", "fused-rotary-pos-emb",
                  "fused-swiglu", "fused-rmsnorm", "fused-gmm", "coc", "reuse-fp32-param", "swap-optimizer",
-                 "virtual-optimizer", "context-parallel", "moe-zero-memory", "compat:torch-norm",
+                 "virtual-optimizer", "context-parallel", "moe-zero-memory", "balanced-moe-experts",
+                 "moe-alltoall-overlap-comm", "moe-permutation-async-comm", "moe-tp-extend-ep", "compat:torch-norm",
                  "compat:torch-adam-distributed-checkpoint",
                  "device:cpu:megatron-training",  # pretrain_gpt.py from core_v0.19.0 trains on the CPU
                  "device:npu:megatron-training",  # ... and on the FAKE npu
