@@ -61,6 +61,11 @@ VARIANTS = {
     # MoE: give every variant --num-experts (and a layout: -- --num-experts 4 --expert-model-parallel-size 2 ...)
     "moe-zero-memory-level0": ("--moe-zero-memory level0", True, ("--moe-zero-memory", "level0")),
     "moe-zero-memory-level1": ("--moe-zero-memory level1", True, ("--moe-zero-memory", "level1")),
+    "moe-alltoall-overlap-comm": ("--moe-alltoall-overlap-comm", True, ("--moe-alltoall-overlap-comm",)),
+    # calibrated: its loss lines are within tolerance of the import's, not equal
+    "balanced-moe-experts": ("--balanced-moe-experts", True, ("--balanced-moe-experts",
+                                                             "--balanced-moe-hot-expert-num", "1")),
+    "moe-tp-extend-ep": ("--moe-tp-extend-ep", True, ("--moe-tp-extend-ep",)),  # calibrated too
 }
 DEFAULT_VARIANTS = ("unpatched", "import", "fused-rmsnorm", "fused-swiglu", "fused-rotary-pos-emb", "flash-attn", "all")
 # (cuda, cpu) defaults of the model options
