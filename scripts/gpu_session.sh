@@ -131,6 +131,9 @@ if [ "$part" = verdicts ]; then
         run "check_four_fused_$precision" python3 -m mm_adaptor.cli check --layout single --use-fused-rmsnorm \
             --use-fused-swiglu --use-fused-rotary-pos-emb --use-flash-attn "${model[@]}" "${bf16[@]}"
     done
+    # issue 52: the permutation on a side stream, the one MoE flag a single GPU can serve (EP 1); bit for bit
+    run check_permutation_async python3 -m mm_adaptor.cli check --layout single --moe-permutation-async-comm \
+        --num-experts 4 --moe-token-dispatcher-type alltoall --disable-bias-linear "${model[@]}"
     run self_test env MM_ADAPTOR_SELF_TEST_LAYOUT=single python3 -m pytest -q -p no:cacheprovider \
         -c "$repo/pyproject.toml" --rootdir "$repo" "$repo/tests/distributed/test_harness.py" \
         -k "subtle_inexact_bugs_fail or different_rounding" -rs
