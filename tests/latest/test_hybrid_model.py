@@ -23,7 +23,8 @@ BUILT_IN = sorted(features.built_in_features(), key=lambda f: f.name)
 STATES = {state.name: state for state in serving.feature_states()}
 # The optimizer-state features act on the optimizer, not on layers: tests/latest/test_optimizer_features_on_latest.py
 OPTIMIZER_STATE = {"reuse-fp32-param", "swap-optimizer", "virtual-optimizer"}
-SERVING = [f for f in BUILT_IN if not STATES[f.name].refusals and f.name not in OPTIMIZER_STATE]
+# a feature that patches no megatron function here (--moe-tp-extend-ep: megatron's own arguments) has no state
+SERVING = [f for f in BUILT_IN if f.name not in OPTIMIZER_STATE and (f.name not in STATES or not STATES[f.name].refusals)]
 
 
 def pattern_for(parallel: frozenset) -> str:
@@ -65,8 +66,13 @@ def runs() -> list[HybridRun]:
     moe = tuple(f for f in SERVING if (f.tolerance.exact and needs[f.name] <= {"moe"})
                 or (not f.tolerance.exact and "moe" in needs[f.name]))
     groups = []
-    if exact:
-        groups.append(HybridRun(exact, frozenset().union(*(needs[f.name] for f in exact))))
+    if exact:  # one refused beside the others (--moe-alltoall-overlap-comm beside --moe-zero-memory) runs alone
+        together, alone = [], []
+        for feature in exact:
+            parallel = frozenset().union(*(needs[f.name] for f in (*together, feature)))
+            (together if composition.refusal((*together, feature), parallel) is None else alone).append(feature)
+        groups.append(HybridRun(tuple(together), frozenset().union(*(needs[f.name] for f in together))))
+        groups += [HybridRun((feature,), needs[feature.name]) for feature in alone]
     together, alone = [], []  # a feature refused beside the others (context parallelism beside flash attention)
     for feature in dense:
         parallel = frozenset({"tp"}).union(*(needs[f.name] for f in (*together, feature)))
@@ -80,7 +86,9 @@ def runs() -> list[HybridRun]:
             parallel = frozenset({"moe"}).union(*(needs[f.name] for f in (*together, feature)))
             (together if composition.refusal((*together, feature), parallel) is None else alone).append(feature)
         groups.append(HybridRun(tuple(together), frozenset({"moe"}).union(*(needs[f.name] for f in together))))
-        groups += [HybridRun((feature,), frozenset({"moe"}) | needs[feature.name]) for feature in alone]
+        on_moe_layers = {f.name for run in groups if "moe" in run.parallel for f in run.members}
+        groups += [HybridRun((feature,), frozenset({"moe"}) | needs[feature.name]) for feature in alone
+                   if feature.name not in on_moe_layers]  # an exact one that ran on MoE layers already
     return groups
 
 
