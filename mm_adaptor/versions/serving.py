@@ -9,6 +9,7 @@ release; `feature_version_report()` says, per feature, the versions it was verif
 from __future__ import annotations
 
 import argparse
+import collections
 from dataclasses import dataclass, field
 
 from mm_adaptor.versions import contracts
@@ -154,6 +155,12 @@ def changed_targets() -> dict[str, dict[str, int | None]]:
 
     return {target: {version: lines(target, version) for version in FINGERPRINTS[target] if version != BASE}
             for target in sorted(FINGERPRINTS)}
+
+
+def refusals_here(installed: str | None = None) -> dict[str, list[str]]:
+    """Each feature's refusals on the installed megatron-core (none for a feature that patches no megatron function
+    here, e.g. one expressed in megatron's own arguments)."""
+    return collections.defaultdict(list, {state.name: state.refusals for state in feature_states(installed)})
 
 
 def feature_version_report() -> list[str]:

@@ -32,25 +32,10 @@ from collections import deque
 import torch
 
 from mm_adaptor.ops import fp32_words
-from mm_adaptor.ops.fp32_words import exception_capacity, split_fp32_words_many
+from mm_adaptor.ops.fp32_words import exception_capacity
 from mm_adaptor.patches.optimizer.batched_step import batches_by_bytes
 from mm_adaptor.patches.optimizer.state_holder import DISTRIBUTED, FLOAT16, OPTIMIZER, HolderPatches, holder_of, \
     main_and_model_pairs
-
-
-def split_words(main: torch.Tensor, model: torch.Tensor, keep_low_bits: bool = True):
-    return split_many([(main, model)], keep_low_bits)[0]
-
-
-def split_many(pairs, keep_low_bits: bool = True):
-    """split_fp32_words of each pair with one host synchronisation for all; keep_low_bits=False is the
-    deliberately broken split (the low halves lost) that the harness self-test must reject."""
-    splits = split_fp32_words_many(pairs)
-    if not keep_low_bits:
-        for residual, _, _ in splits:
-            residual.zero_()
-        splits = [(residual, index[:0], kept[:0]) for residual, index, kept in splits]
-    return splits
 
 
 WHOLE, PENDING, SPLIT = "whole", "pending", "split"

@@ -19,10 +19,9 @@ from mm_adaptor.harness import composition
 pytestmark = pytest.mark.distributed
 
 BUILT_IN = sorted(features.built_in_features(), key=lambda f: f.name)
-STATES = {state.name: state for state in serving.feature_states()}
-# a feature that patches no megatron function here (--moe-permutation-async-comm on the CPU) has no state: it serves
-SERVING = [f for f in BUILT_IN if f.name not in STATES or not STATES[f.name].refusals]
-REFUSED = [f for f in BUILT_IN if f.name in STATES and STATES[f.name].refusals]
+REFUSALS = serving.refusals_here()  # none for --moe-permutation-async-comm on the CPU: it patches nothing there
+SERVING = [f for f in BUILT_IN if not REFUSALS[f.name]]
+REFUSED = [f for f in BUILT_IN if REFUSALS[f.name]]
 
 
 def _parallel(members) -> frozenset:
@@ -54,12 +53,12 @@ def test_every_feature_serves_on_a_release_it_was_verified_on():
     verified_here = [f for f in BUILT_IN if any(Version(v).release[:2] == series
                                                 for v in contracts.verified_versions(f.name))]
     assert verified_here, f"no feature was verified on a {installed} release: a test leg on an unverified series"
-    assert not [f.name for f in verified_here if f in REFUSED], {f.name: STATES[f.name].refusals for f in REFUSED}
+    assert not [f.name for f in verified_here if f in REFUSED], {f.name: REFUSALS[f.name] for f in REFUSED}
 
 
 def test_a_refused_feature_names_the_changed_function():
     for feature in REFUSED:  # none at either end of the range; a release between may refuse some
-        for line in STATES[feature.name].refusals:
+        for line in REFUSALS[feature.name]:
             assert "changed in megatron-core" in line or "not defined" in line, line
             assert "megatron." in line, line
 

@@ -20,12 +20,10 @@ from mm_adaptor.train import hybrid
 from mm_adaptor.harness.runner.arguments import LayoutError, finalize_args, parse_args
 
 BUILT_IN = sorted(features.built_in_features(), key=lambda f: f.name)
-STATES = {state.name: state for state in serving.feature_states()}
+REFUSALS = serving.refusals_here()
 # The optimizer-state features act on the optimizer, not on layers: tests/latest/test_optimizer_features_on_latest.py
 OPTIMIZER_STATE = {"reuse-fp32-param", "swap-optimizer", "virtual-optimizer"}
-# a feature that patches no megatron function here (--moe-tp-extend-ep: megatron's own arguments) has no state
-SERVING = [f for f in BUILT_IN
-           if f.name not in OPTIMIZER_STATE and (f.name not in STATES or not STATES[f.name].refusals)]
+SERVING = [f for f in BUILT_IN if not REFUSALS[f.name] and f.name not in OPTIMIZER_STATE]
 
 
 def pattern_for(parallel: frozenset) -> str:
