@@ -5,8 +5,8 @@ to every EP rank, which computes its own tokens of them; their weight gradients 
 
 from collections import Counter
 
-from mm_adaptor.core.features import Feature, Flag, fused_kernel_tolerance, refuse_unless_local_spec, register, \
-    users_value
+from mm_adaptor.core.features import Feature, Flag, fused_kernel_tolerance, refuse_unless_local_spec, register
+from mm_adaptor.feature_flags.moe_tp_extend_ep import expert_parallel_size, expert_tensor_parallel_size
 from mm_adaptor.core.verification import BASE_RELEASE, NO_GPU, ON_0_19_2, TP2_EXTENDED, fake_npu_check, \
     same_everywhere
 
@@ -101,20 +101,6 @@ def balanced_patch_sets(name, n, k, counts, copy_class=None):
     return [ps]
 
 
-def _expert_parallel_size(options) -> int:
-    ep = getattr(options, "expert_model_parallel_size", 1) or 1
-    if getattr(options, "moe_tp_extend_ep", False):  # megatron's EP is TP x the user's (feature_flags/moe_tp_extend_ep)
-        ep = (getattr(options, "tensor_model_parallel_size", 1) or 1) * (
-            users_value(options, "expert_model_parallel_size") or 1)
-    return ep
-
-
-def _expert_tensor_parallel_size(options) -> int:
-    if getattr(options, "moe_tp_extend_ep", False):
-        return 1
-    return getattr(options, "expert_tensor_parallel_size", None) or getattr(options, "tensor_model_parallel_size", 1)
-
-
 def refusal_for(options) -> str | None:
     """One line naming the flags that cannot work together, or None."""
     if not getattr(options, "balanced_moe_experts", False):
@@ -136,14 +122,14 @@ def refusal_for(options) -> str | None:
     if m is not None and m != 1:
         return (f"{GROUPS} {m}: the hot experts' broadcasts go over the one EP group here, not over {m} "
                 f"communicators: give {GROUPS} 1 or drop it")
-    if _expert_parallel_size(options) < 2:
+    if expert_parallel_size(options) < 2:
         return (f"{MAIN} moves hot experts between expert-parallel ranks, and --expert-model-parallel-size 1 holds "
                 f"every expert on each rank: give --expert-model-parallel-size 2 or more, or drop {MAIN}")
     dispatcher = getattr(options, "moe_token_dispatcher_type", "allgather")
     if dispatcher not in ("allgather", "alltoall"):
         return (f"{MAIN} takes the hot experts' tokens out of the routing map megatron's allgather and alltoall "
                 f"dispatchers read, not {dispatcher}'s: use --moe-token-dispatcher-type alltoall or drop {MAIN}")
-    etp = _expert_tensor_parallel_size(options)
+    etp = expert_tensor_parallel_size(options)
     if etp > 1:
         return (f"{MAIN} copies whole experts, and expert tensor parallelism {etp} slices them: give "
                 f"--expert-tensor-parallel-size 1 (or --moe-tp-extend-ep) or drop {MAIN}")

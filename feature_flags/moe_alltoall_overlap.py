@@ -5,6 +5,7 @@ experts (and the shared experts) compute, forward and backward (patches/transfor
 from collections import Counter
 
 from mm_adaptor.core.features import Feature, Flag, Tolerance, refuse_unless_local_spec, register
+from mm_adaptor.feature_flags.moe_tp_extend_ep import expert_parallel_size, expert_tensor_parallel_size
 from mm_adaptor.core.verification import BASE_RELEASE, NO_GPU, ON_0_19_2, EP2_OVERLAP, fake_npu_check, \
     same_everywhere
 
@@ -65,8 +66,7 @@ class MoEAlltoAllOverlap(Feature):
 
 
 def local_experts(options) -> int:
-    ep = getattr(options, "expert_model_parallel_size", 1) or 1
-    return (getattr(options, "num_experts", None) or 0) // max(ep, 1)
+    return (getattr(options, "num_experts", None) or 0) // max(expert_parallel_size(options), 1)
 
 
 def chunks_of(options) -> int:
@@ -98,7 +98,7 @@ def refusal_for(options) -> str | None:
     if dispatcher != "alltoall":
         return (f"{MAIN} chunks the all-to-alls of megatron's alltoall dispatcher, and --moe-token-dispatcher-type "
                 f"{dispatcher} has none: use {A2A} or drop {MAIN}")
-    if (getattr(options, "expert_model_parallel_size", 1) or 1) < 2:
+    if expert_parallel_size(options) < 2:
         return (f"{MAIN} overlaps expert-parallel all-to-alls, and --expert-model-parallel-size 1 has none: use "
                 f"--expert-model-parallel-size 2 or more, or drop {MAIN}")
     experts = local_experts(options)
@@ -120,9 +120,7 @@ def refusal_for(options) -> str | None:
         return ("--moe-zero-memory dispatches the experts' input again in backward through megatron's one "
                 f"all-to-all, which {MAIN} replaces by chunks: drop one")
     if getattr(options, "use_coc", False) or getattr(options, "use_ascend_coc", False):
-        expert_tp = getattr(options, "expert_tensor_parallel_size", None) or \
-            getattr(options, "tensor_model_parallel_size", 1) or 1
-        if expert_tp > 1:
+        if expert_tensor_parallel_size(options) > 1:
             return (f"--use-coc gathers tensor-parallel experts' rows itself in routed_experts_compute, which {MAIN} "
                     f"replaces: drop one, or give --expert-tensor-parallel-size 1")
     for switch, why in (("moe_shared_expert_overlap", f"overlaps the shared experts with megatron's one dispatch, "

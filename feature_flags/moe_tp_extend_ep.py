@@ -76,6 +76,21 @@ def megatron_values(options) -> dict:
     return {"expert_tensor_parallel_size": 1, "expert_model_parallel_size": tp * ep}
 
 
+def expert_parallel_size(options) -> int:
+    """Megatron's expert-parallel size once this feature expressed itself (before or after the rewrite)."""
+    ep = users_value(options, "expert_model_parallel_size") or 1
+    if getattr(options, "moe_tp_extend_ep", False):
+        return (getattr(options, "tensor_model_parallel_size", 1) or 1) * ep
+    return ep
+
+
+def expert_tensor_parallel_size(options) -> int:
+    """Megatron's expert tensor-parallel size once this feature expressed itself (before or after the rewrite)."""
+    if getattr(options, "moe_tp_extend_ep", False):
+        return 1
+    return getattr(options, "expert_tensor_parallel_size", None) or getattr(options, "tensor_model_parallel_size", 1)
+
+
 def refusal_for(options) -> str | None:
     """One line naming the flags that cannot work together, or None (the user's values: users_value)."""
     if not getattr(options, "moe_tp_extend_ep", False):

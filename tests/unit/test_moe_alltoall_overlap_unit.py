@@ -45,6 +45,10 @@ def test_accepted():
     get("moe-alltoall-overlap-comm").validate(opts(**BASE, moe_alltoall_overlap_chunks=2))
     get("moe-alltoall-overlap-comm").validate(opts(**BASE, use_coc=True, tensor_model_parallel_size=2,
                                                    expert_tensor_parallel_size=1))
+    # --moe-tp-extend-ep lends TP2 to EP: whole experts (expert TP 1) and EP 2, before megatron's arguments are
+    # rewritten (validation runs first)
+    get("moe-alltoall-overlap-comm").validate(opts(**dict(BASE, expert_model_parallel_size=1), use_coc=True,
+                                                   tensor_model_parallel_size=2, moe_tp_extend_ep=True))
 
 
 def test_permutation_async_refuses_without_experts_and_is_a_recorded_no_op_on_the_cpu(monkeypatch):
