@@ -25,6 +25,7 @@ class Needs:
     parallel: frozenset = frozenset()  # of "tp", "vpp", "moe", "distopt", "cp"
     base_args: tuple[str, ...] = ()  # switches of the model or precision, in both runs
     feature_args: tuple[str, ...] = ()  # the feature's own tuning flags, in the run with it only
+    experts_over_tp: bool = False  # megatron's EP becomes TP x the given EP: the given EP stays 1
 
 
 NEEDS: dict[str, Needs] = {
@@ -39,7 +40,8 @@ NEEDS: dict[str, Needs] = {
                                                            "--disable-bias-linear")),
     # beside TP (coc's) experts are TP-split, which megatron serves without biases only
     "moe-permutation-async-comm": Needs(frozenset({"moe"}), ("--disable-bias-linear",)),
-    "moe-tp-extend-ep": Needs(frozenset({"tp", "moe"}), ("--disable-bias-linear",)),  # it refuses TP 1
+    "moe-tp-extend-ep": Needs(frozenset({"tp", "moe"}), ("--disable-bias-linear",),  # it refuses TP 1
+                              experts_over_tp=True),
     "moe-zero-memory": Needs(frozenset({"moe"}), ("--disable-bias-linear",), feature_args=("level0",)),
     "reuse-fp32-param": Needs(base_args=("--bf16",)),
     "swap-attention": Needs(feature_args=("--swap-min-bytes", "0")),  # the tiny model's tensors are all small
@@ -52,10 +54,11 @@ def needs_of(feature: features.Feature) -> Needs:
     return NEEDS.get(feature.name, Needs())
 
 
-def layout_args(parallel: frozenset) -> tuple[list[str], int]:
-    """The training arguments of the smallest layout with these dimensions, and its rank count."""
+def layout_args(parallel: frozenset, experts_over_tp: bool = False) -> tuple[list[str], int]:
+    """The training arguments of the smallest layout with these dimensions, and its rank count. `experts_over_tp`:
+    the TP ranks already hold different experts (megatron's EP is TP x the given EP), so the given EP is 1."""
     tp, pp = (2 if "tp" in parallel else 1), (2 if "vpp" in parallel else 1)
-    ep = 2 if "moe" in parallel else 1
+    ep = 2 if "moe" in parallel and not (experts_over_tp and tp > 1) else 1
     cp = 2 if "cp" in parallel else 1  # the feature's own flags set it (NEEDS); the layout counts its ranks
     # experts span TP x CP x DP ranks (expert TP = TP), so CP x DP is a multiple of EP; otherwise DP2 where nothing
     # else is 2
@@ -68,6 +71,8 @@ def layout_args(parallel: frozenset) -> tuple[list[str], int]:
                  "--global-batch-size", str(8 * dp)]
     if ep > 1:
         args += ["--num-experts", "4", "--expert-model-parallel-size", str(ep)]
+    elif "moe" in parallel:
+        args += ["--num-experts", "4"]
     if "distopt" in parallel:
         args += ["--use-distributed-optimizer"]
     return args, tp * pp * cp * dp
@@ -85,8 +90,12 @@ class Run:
     def exact(self) -> bool:
         return all(f.tolerance.exact for f in self.members)
 
+    @property
+    def experts_over_tp(self) -> bool:
+        return any(needs_of(f).experts_over_tp for f in self.members)
+
     def base_args(self) -> list[str]:
-        layout, _ = layout_args(self.parallel)
+        layout, _ = layout_args(self.parallel, self.experts_over_tp)
         switches = dict.fromkeys(a for f in self.members for a in needs_of(f).base_args)
         return [*layout, *MODEL_ARGS, *switches]
 
@@ -95,7 +104,7 @@ class Run:
 
     @property
     def nproc(self) -> int:
-        return layout_args(self.parallel)[1]
+        return layout_args(self.parallel, self.experts_over_tp)[1]
 
     def describe(self) -> str:
         return f"{' '.join(self.feature_args())} | {' '.join(self.base_args())} | {self.nproc} ranks"
