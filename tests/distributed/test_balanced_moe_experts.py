@@ -1,5 +1,5 @@
 """--balanced-moe-experts against unpatched Megatron within the calibrated rounding noise: EP2 with the alltoall
-(fp32) and allgather (bf16) dispatchers, grouped GEMMs (megatron-core 0.17+), a hot set kept over several forwards,
+(fp32) and allgather (bf16, every layer recomputed) dispatchers, grouped GEMMs (megatron-core 0.17+), a hot set kept over several forwards,
 and on 4 ranks EP4 and EP2 x TP2 (+SP, expert TP 1); the hot experts were copied, their tokens computed off their
 owners and the gradients returned. A variant whose owners drop the returned gradients fails (fp32)."""
 
@@ -11,11 +11,12 @@ pytestmark = pytest.mark.distributed
 
 FLAG = "--balanced-moe-experts"
 ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 FOUR_RANKS = ["--moe-router-topk", "2", "--disable-bias-linear", "--num-layers", "2", "--num-experts", "4",
               *ALLTOALL]
 
 
-def check(extra, hot=1, layout="ep2-moe", nproc=None, tuning=()):
+def check(extra, hot=1, layout="ep2-moe", nproc=None, tuning=(), forwards_per_backward=1):
     result = harness.compare([FLAG, "--balanced-moe-hot-expert-num", str(hot), *tuning], layout=layout,
                              extra_args=extra, iters=3, nproc=nproc)
     assert result.passed, harness.format_comparison(result)
@@ -24,7 +25,7 @@ def check(extra, hot=1, layout="ep2-moe", nproc=None, tuning=()):
     # rank 0's: it took part in every hot expert's broadcast and reduce; the group's rows off the dispatch > 0
     transfers = stats.get("hot experts sent", 0) + stats.get("hot experts copied in", 0)
     returns = stats.get("hot expert gradients returned", 0) + stats.get("hot expert gradients sent", 0)
-    assert transfers > 0 and transfers % hot == 0 and returns == transfers, stats
+    assert transfers > 0 and transfers % hot == 0 and forwards_per_backward * returns == transfers, stats
     assert stats["rows computed locally"] > 0 and stats["rows kept off the dispatch (EP group)"] > 0, stats
     return result, stats
 
@@ -33,8 +34,10 @@ def test_ep2_alltoall_fp32():
     check(ALLTOALL, hot=2)
 
 
-def test_ep2_allgather_bf16():
-    check(["--bf16"], hot=1)
+def test_ep2_allgather_bf16_fully_recomputed():
+    """A recomputed forward takes the hot experts again from the same counts (K 1: every forward chooses): their
+    weights go out twice per step, their gradients come back once."""
+    check(["--bf16", *FULL_RECOMPUTE], hot=1, forwards_per_backward=2)
 
 
 def test_ep2_grouped_gemm_and_a_hot_set_kept_for_two_forwards():
