@@ -1,7 +1,8 @@
 """--balanced-moe-experts against unpatched Megatron within the calibrated rounding noise: EP2 with the alltoall
-(fp32) and allgather (bf16, every layer recomputed) dispatchers, grouped GEMMs (megatron-core 0.17+), a hot set kept over several forwards,
-and on 4 ranks EP4 and EP2 x TP2 (+SP, expert TP 1); the hot experts were copied, their tokens computed off their
-owners and the gradients returned. A variant whose owners drop the returned gradients fails (fp32)."""
+(fp32) and allgather (bf16, every layer recomputed) dispatchers, grouped GEMMs (megatron-core 0.17+), a hot set kept
+over several forwards, and on 4 ranks EP4 and EP2 x TP2 (+SP, expert TP 1); the hot experts were copied, their tokens
+computed off their owners and the gradients returned. A variant whose owners drop the returned gradients fails
+(fp32). Beside pipeline parallelism: the pair matrix (tests/distributed/test_feature_pairs.py)."""
 
 import pytest
 
