@@ -82,6 +82,13 @@ def test_the_harness_refuses_before_any_rank_starts():
                                  "--moe-tp-extend-ep"], check_devices=False)
     layout = compare._finalized(args)
     assert (layout.expert_tensor_parallel_size, layout.expert_model_parallel_size) == (1, 4)
+    # a layout error after the rewrite names megatron's sizes, not an --expert-model-parallel-size 4 never typed
+    with pytest.raises(compare.HarnessError) as refused:
+        compare._finalized(compare.checked_args(
+            ["--num-layers", "2", "--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+             "--nproc-per-node", "4", "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+             "--disable-bias-linear", "--moe-tp-extend-ep"], check_devices=False))
+    assert "expert-parallel size 4" in str(refused.value) and "--expert-model-parallel-size 4" not in str(refused.value)
 
 
 def _rank(rank, layout, tensors):

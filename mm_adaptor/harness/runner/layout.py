@@ -216,10 +216,15 @@ def _expert_problems(args, world_size: int) -> list[str]:
     expert_ranks = etp * ep * pp
     if (ep > 1 or etp != tp) and world_size % expert_ranks != 0:
         needed = math.lcm(tp * pp, expert_ranks)
-        size = (f"--expert-tensor-parallel-size {etp}" if given else
-                f"expert tensor-parallel size {etp} (megatron's default: --tensor-model-parallel-size)")
+        rewritten = getattr(args, features.USERS_ARGUMENTS, None) or {}
+        if rewritten:  # a feature set them (e.g. --moe-tp-extend-ep): name megatron's sizes, not flags never typed
+            size, experts = f"megatron's expert tensor-parallel size {etp}", f"expert-parallel size {ep}"
+        else:
+            size = (f"--expert-tensor-parallel-size {etp}" if given else
+                    f"expert tensor-parallel size {etp} (megatron's default: --tensor-model-parallel-size)")
+            experts = f"--expert-model-parallel-size {ep}"
         problems.append(
-            f"world size {world_size} is not divisible by {size} x --expert-model-parallel-size {ep} x "
+            f"world size {world_size} is not divisible by {size} x {experts} x "
             f"--pipeline-model-parallel-size {pp} = {expert_ranks}: use a multiple of {needed} ranks "
             "(--nproc-per-node) or a smaller --expert-model-parallel-size")
     if etp > 1 and not args.disable_bias_linear:
