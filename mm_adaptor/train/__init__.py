@@ -72,8 +72,11 @@ def _check(argv: list[str], under_torchrun: bool):
     args.world_size = arguments.environment_world_size() if under_torchrun else \
         arguments.local_ranks(args) * args.nnodes
     args.rank = 0
-    _megatron_validation(args)
     options = features.fill_defaults(args)
+    # as under the one-line import: a feature that is Megatron's arguments with other values (--moe-tp-extend-ep)
+    # sets them before Megatron validates and fills in its defaults
+    features.express_in_megatron_arguments(options, features.serving(options, features.enabled_features(options)))
+    _megatron_validation(args)
     try:
         features.validate(options, features.serving(options, features.enabled_features(options)))
     except features.FeatureConfigError as exc:
