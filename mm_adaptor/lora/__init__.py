@@ -112,17 +112,18 @@ def gated_fc1(model, name: str) -> bool:
 def global_name(model, name: str) -> str:
     """The module's name with each layer's index its global one (its TransformerLayer's layer_number - 1): what
     it is called in the whole model, whichever pipeline stage holds it (the adapters' initial values follow it)."""
-    parts = name.split(".")
+    local = name.split(".")  # the submodules are looked up by these (local) indices
+    parts = list(local)
     for i in range(1, len(parts)):
-        if parts[i - 1] == "layers" and parts[i].isdigit():
-            number = getattr(model.get_submodule(".".join(parts[:i + 1])), "layer_number", None)
+        if local[i - 1] == "layers" and local[i].isdigit():
+            number = getattr(model.get_submodule(".".join(local[:i + 1])), "layer_number", None)
             if number is not None:
                 parts[i] = str(number - 1)
-        elif parts[i - 1] == "local_experts" and parts[i].isdigit():  # the expert's global number
-            experts = model.get_submodule(".".join(parts[:i - 1]))
+        elif local[i - 1] == "local_experts" and local[i].isdigit():  # the expert's global number
+            experts = model.get_submodule(".".join(local[:i - 1]))
             group = getattr(experts, "ep_group", None)
             offset = group.rank() * experts.num_local_experts if group is not None else 0
-            parts[i] = str(offset + int(parts[i]))
+            parts[i] = str(offset + int(local[i]))
     return ".".join(parts)
 
 
@@ -232,7 +233,9 @@ def _load_into(model, request: dict, checkpoint: str) -> tuple[dict, list[str]]:
     the model's keys left unloaded."""
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load({"model": request}, checkpoint)["model"]
+    # one model chunk at a time: under a virtual pipeline the ranks together ask for part of the stored layers,
+    # which megatron's access check takes for a broken sharding (what the model misses is checked here instead)
+    loaded = dist_checkpointing.load({"model": request}, checkpoint, validate_access_integrity=False)["model"]
     return loaded, model.load_state_dict(loaded, strict=False).missing_keys
 
 
