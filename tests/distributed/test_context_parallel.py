@@ -13,13 +13,20 @@ from mm_adaptor import harness
 
 pytestmark = pytest.mark.distributed
 
-BASE = ["--num-layers", "2", "--seq-length", "64", "--tensor-model-parallel-size", "1"]
+# test_packing.py's MODEL (its DP2 layouts, 2 steps): the unpatched DP2 runs and their noise runs are the ones its
+# padded references cache (tests/distributed runs in one session), here of skewed lengths padded to --seq-length
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
+         "--micro-batch-size", "1", "--global-batch-size", "8", "--mock-lengths", "skewed"]
+BASE = [*MODEL, "--position-embedding-type", "rope"]  # its "dp2-rope" (with --bf16: "dp2-rope-bf16")
+ITERS = 2
+# where no other file runs the same unpatched configuration
+OWN = ["--num-layers", "2", "--seq-length", "64", "--tensor-model-parallel-size", "1"]
 
 
-def check(algo, extra=(), nproc=2, size=2, ulysses=None):
+def check(algo, extra=(), nproc=2, size=2, ulysses=None, base=BASE, iters=ITERS):
     flags = ["--context-parallel-size", str(size), "--context-parallel-algo", algo]
     flags += ["--ulysses-degree-in-cp", str(ulysses)] if ulysses else []
-    result = harness.compare(flags, extra_args=[*BASE, *extra], iters=3, nproc=nproc)
+    result = harness.compare(flags, extra_args=[*base, *extra], iters=iters, nproc=nproc)
     assert result.passed, harness.format_comparison(result)
     assert not result.tolerance.exact
     return result.memory_on["feature_statistics"]["context-parallel"]
@@ -43,27 +50,31 @@ def images_and_videos(tmp_path_factory):
             small[1], "--video-min-pixels", small[0], "--video-max-pixels", small[1]]
 
 
-@pytest.mark.parametrize("model", ["qwen2_5_vl-tiny", "qwen3_vl-tiny", "qwen3_vl_moe-tiny", "internvl-tiny"])
+# qwen3_vl_moe-tiny is not here: its vision path is qwen3_vl-tiny's, MoE layers under CP are test_feature_pairs.py's
+@pytest.mark.parametrize("model", ["qwen2_5_vl-tiny", "qwen3_vl-tiny", "internvl-tiny"])
 def test_the_tiny_vision_language_models(model, request):
     """The vision tower runs on whole images on every CP rank; the language model takes its part of the embeddings
     (vision rows placed), the multimodal rope its part of the 3-D positions (Qwen3-VL's interleaved one too), and
     Qwen3-VL's DeepStack layers the features of the visual tokens this rank holds. Qwen2.5-VL trains on records of
     images and videos (video tokens, their temporal positions split over the ranks)."""
-    data = request.getfixturevalue("images_and_videos") if model == "qwen2_5_vl-tiny" else []
-    stats = check("megatron_cp_algo", ["--model", model, "--micro-batch-size", "1", *data])
+    if model == "qwen2_5_vl-tiny":
+        data = request.getfixturevalue("images_and_videos")
+        stats = check("megatron_cp_algo", ["--model", model, "--micro-batch-size", "1", *data], base=OWN, iters=3)
+    else:  # test_packing.py's "qwen3-vl-dp2" and "internvl-dp2"
+        stats = check("megatron_cp_algo", ["--model", model], base=MODEL)
     assert stats["megatron_cp_algo attention calls"] > 0
 
 
 def test_hybrid_on_four_ranks():
     stats = check("hybrid_cp_algo", ["--num-attention-heads", "4", "--global-batch-size", "8"], nproc=4, size=4,
-                  ulysses=2)
+                  ulysses=2, base=OWN, iters=3)
     assert stats["hybrid_cp_algo attention calls"] > 0
 
 
 def test_ring_beside_tp2_sp_and_the_distributed_optimizer():
     """With the distributed optimizer the harness judges losses and parameters (compare._not_comparable)."""
     stats = check("megatron_cp_algo", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                       "--use-distributed-optimizer"], nproc=4)
+                                       "--use-distributed-optimizer"], nproc=4, base=OWN, iters=3)
     assert stats["megatron_cp_algo attention calls"] > 0
 
 
@@ -77,5 +88,5 @@ def test_broken_variant_fails(broken, algo, extra):
     model's initialisation the scores are near zero, so the scale barely moves the softmax, below bf16's noise."""
     with harness.extra_feature_module("broken_context_parallel_features"):
         result = harness.compare([broken, "--context-parallel-size", "2", "--context-parallel-algo", algo],
-                                 extra_args=[*BASE, *extra], iters=3, nproc=2)
+                                 extra_args=[*BASE, *extra], iters=ITERS, nproc=2)
     assert not result.passed

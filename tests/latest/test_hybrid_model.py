@@ -6,8 +6,6 @@ hybrid layers (its wrappers called; swap-attention's host bytes and recompute-ac
 layer kind; the extended schedules); patterns it cannot build are refused in one line."""
 
 import math
-import subprocess
-import sys
 
 import pytest
 from feature_runs import assert_run_passes
@@ -41,7 +39,7 @@ class HybridRun(composition.Run):
         return pattern_for(self.parallel)
 
     def base_args(self) -> list[str]:
-        layout, _ = composition.layout_args(self.parallel)
+        layout, _ = composition.layout_args(self.parallel, self.experts_over_tp)
         kept, skip = [], False
         for token in layout:
             if skip:
@@ -55,10 +53,10 @@ class HybridRun(composition.Run):
 
 
 def runs() -> list[HybridRun]:
-    """Two ranks each: the exact serving features in one run (a virtual pipeline if one needs it), the inexact ones
-    that need no experts in one TP2+SP run (one refused beside them in a run of its own), and on MoE layers
-    ('*E*E', EP2) those that need experts with the exact ones that act per layer again (again, one refused beside
-    them alone)."""
+    """Two ranks each (four where a virtual pipeline meets EP2): the exact serving features in one run (a virtual
+    pipeline if one needs it), the inexact ones that need no experts in one TP2+SP run (one refused beside them in a
+    run of its own), and on MoE layers ('*E*E', EP2) those that need experts with the exact ones that act per layer
+    again (again, one refused beside them alone)."""
     needs = {f.name: composition.needs_of(f).parallel for f in SERVING}
     exact = tuple(f for f in SERVING if f.tolerance.exact)
     dense = tuple(f for f in SERVING if not f.tolerance.exact and "moe" not in needs[f.name])
@@ -72,8 +70,10 @@ def runs() -> list[HybridRun]:
             (together if composition.refusal((*together, feature), parallel) is None else alone).append(feature)
         groups.append(HybridRun(tuple(together), frozenset().union(*(needs[f.name] for f in together))))
         groups += [HybridRun((feature,), needs[feature.name]) for feature in alone]
-    together, alone = [], []  # a feature refused beside the others (context parallelism beside flash attention)
-    for feature in dense:
+    # a feature refused beside the others runs alone; context parallelism (TP2 x CP2: 4 ranks) is tried last, so
+    # that it is the one refused beside flash attention and runs alone on 2 ranks
+    together, alone = [], []
+    for feature in sorted(dense, key=lambda f: composition.layout_args(frozenset({"tp"}) | needs[f.name])[1]):
         parallel = frozenset({"tp"}).union(*(needs[f.name] for f in (*together, feature)))
         (together if composition.refusal((*together, feature), parallel) is None else alone).append(feature)
     if together:
@@ -182,10 +182,11 @@ def test_the_pattern_sets_the_layers_and_the_virtual_pipeline():
 def test_mamba_and_gated_delta_net_refuse_in_one_line_naming_the_package(pattern, package):
     if hybrid._has_package(hybrid.NEEDS_PACKAGE[pattern[0]][0]):
         pytest.skip(f"{package} is installed here")
-    done = subprocess.run([sys.executable, "-m", "mm_adaptor.cli", "train", f"--hybrid-layer-pattern={pattern}"],
-                          capture_output=True, text=True, timeout=120)
-    lines = [line for line in done.stderr.splitlines() if line.startswith("mm-adaptor train: error:")]
-    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    from trainer_runs import train  # `mm-adaptor train` in this process: no second start of torch and megatron
+
+    done = train([f"--hybrid-layer-pattern={pattern}"])
+    lines = [line for line in done.err.splitlines() if line.startswith("mm-adaptor train: error:")]
+    assert done.status == 2 and len(lines) == 1, done.err
     assert package in lines[0] and "not installed" in lines[0], lines[0]
 
 
