@@ -124,8 +124,9 @@ def _iterations_logged(tmp_path: Path) -> list[int]:
     return [int(n) for n in re.findall(r" iteration +(\d+)/", (tmp_path / "stdout").read_text())]
 
 
-@pytest.mark.parametrize("signum, to_group", [(signal.SIGINT, True), (signal.SIGHUP, False)],
-                         ids=["SIGINT-to-group", "SIGHUP"])
+# SIGHUP, the same handler (STOP_SIGNALS): the first signal of the save-cut-short test; a signal to the launcher
+# alone: SIGTERM in tests/train/test_trainer_runs.py and the second-signal tests here
+@pytest.mark.parametrize("signum, to_group", [(signal.SIGINT, True)], ids=["SIGINT-to-group"])
 def test_a_first_signal_finishes_the_iteration_saves_and_exits_0(tmp_path, launched, signum, to_group):
     """(SIGTERM sent to the command in its own process: tests/train/test_trainer_runs.py, with the resume.)"""
     launcher = launched()
@@ -144,8 +145,8 @@ def test_a_first_signal_finishes_the_iteration_saves_and_exits_0(tmp_path, launc
     assert _saved(tmp_path) == last and (tmp_path / "ckpt" / f"iter_{last:07d}").is_dir(), (last, _saved(tmp_path))
 
 
-@pytest.mark.parametrize("first, second", [(signal.SIGTERM, signal.SIGINT), (signal.SIGHUP, signal.SIGTERM)],
-                         ids=["SIGTERM-then-SIGINT", "SIGHUP-then-SIGTERM"])
+# SIGHUP then SIGTERM: the save-cut-short test's launcher, with these assertions (one launcher, both checks)
+@pytest.mark.parametrize("first, second", [(signal.SIGTERM, signal.SIGINT)], ids=["SIGTERM-then-SIGINT"])
 def test_a_second_signal_stops_every_rank_with_one_line(tmp_path, launched, first, second):
     launcher = launched()
     _wait_for(lambda: _saved(tmp_path), "checkpoint", launcher=launcher)
@@ -156,6 +157,10 @@ def test_a_second_signal_stops_every_rank_with_one_line(tmp_path, launched, firs
     time.sleep(0.5)
     os.kill(launcher.pid, second)
 
+    _assert_stopped_with_one_line(tmp_path, launcher, descendants, second)
+
+
+def _assert_stopped_with_one_line(tmp_path: Path, launcher, descendants, second: int) -> None:
     assert launcher.wait(timeout=30) == 128 + second
     _assert_all_gone(descendants, within=5)
     stderr = (tmp_path / "stderr").read_text()
@@ -211,11 +216,10 @@ def test_a_save_cut_short_leaves_the_previous_checkpoint_to_resume_from(tmp_path
     _wait_for(lambda: _saved(tmp_path), "checkpoint", launcher=launcher)
     launcher.descendants = descendants = _ranks_running(launcher)
     cut_short = _stop_ranks_mid_save(tmp_path, launcher)
-    launcher.terminate()  # passed on to the stopped ranks, which cannot act on it
+    os.kill(launcher.pid, signal.SIGHUP)  # passed on to the stopped ranks, which cannot act on it
     time.sleep(0.5)
     launcher.terminate()
-    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
-    _assert_all_gone(descendants, within=5)
+    _assert_stopped_with_one_line(tmp_path, launcher, descendants, signal.SIGTERM)
 
     ckpt = tmp_path / "ckpt"
     saved = _saved(tmp_path)

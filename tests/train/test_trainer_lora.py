@@ -55,21 +55,28 @@ def _lora(tmp_path, name, base, *extra, nproc=2):
     return run, scalars(tmp_path / name)
 
 
-def test_gpt_lora_is_the_same_at_every_layout_and_resumes_at_another(gpt_base, tmp_path):
+@pytest.fixture(scope="module")
+def gpt_lora(gpt_base, tmp_path_factory):
+    """The TP1 run (the reference) and the TP2 + SP run that saves (also LoRA alone beside the features)."""
+    path = tmp_path_factory.mktemp("gpt_lora")
+    straight, reference = _lora(path, "tp1", gpt_base, nproc=1)
+    _, sp = _lora(path, "tp2_sp", gpt_base, *TP2_SP, "--save", str(path / "saved"), "--save-interval", str(SAVED))
+    return path / "saved", straight, reference, sp
+
+
+def test_gpt_lora_is_the_same_at_every_layout_and_resumes_at_another(gpt_base, gpt_lora, tmp_path):
     from megatron.core import dist_checkpointing
 
-    straight, reference = _lora(tmp_path, "tp1", gpt_base, nproc=1)
+    saved, straight, reference, sp = gpt_lora
     assert f"LoRA: --load {gpt_base} holds the base model" in straight.out
     assert "LoRA r 4, alpha 8: 16 linears adapted" in straight.out
     assert reference[1] != reference[ITERATIONS]  # the adapters trained
-    _, sp = _lora(tmp_path, "tp2_sp", gpt_base, *TP2_SP, "--save", str(tmp_path / "saved"), "--save-interval",
-                  str(SAVED))
     _, pp = _lora(tmp_path, "pp2", gpt_base, "--pipeline-model-parallel-size", "2")
     _, cp = _lora(tmp_path, "cp2", gpt_base, "--context-parallel-size", "2")
     for found in (sp, pp, cp):
         assert sorted(found) == sorted(reference)
         assert max(relative_differences(reference, found).values()) <= LIMIT, found
-    stored = dist_checkpointing.load_tensors_metadata(str(tmp_path / "saved" / f"iter_{SAVED:07d}"))
+    stored = dist_checkpointing.load_tensors_metadata(str(saved / f"iter_{SAVED:07d}"))
     model_keys = [key for key in stored if not key.startswith("optimizer.")]
     assert model_keys and all(".lora_A." in key or ".lora_B." in key for key in model_keys), model_keys
     with extra_feature_module("broken_trainer_features"):
@@ -82,17 +89,17 @@ def test_gpt_lora_is_the_same_at_every_layout_and_resumes_at_another(gpt_base, t
         _, broken = _lora(tmp_path, "recomputed_broken", gpt_base, *full_recompute, "--test-lora-recompute-no-grad",
                           nproc=1)
     assert max(relative_differences(reference, broken).values()) > 10 * LIMIT, broken
-    _, resumed = _lora(tmp_path, "resumed", None, "--load", str(tmp_path / "saved"), "--load-base-model",
+    _, resumed = _lora(tmp_path, "resumed", None, "--load", str(saved), "--load-base-model",
                        str(gpt_base), "--ckpt-step", str(SAVED), nproc=1)
     assert sorted(resumed) == list(range(SAVED + 1, ITERATIONS + 1))
     assert max(relative_differences(reference, resumed).values()) <= LIMIT, resumed
 
 
-def test_features_train_beside_lora_or_are_refused_with_it(gpt_base, tmp_path):
+def test_features_train_beside_lora_or_are_refused_with_it(gpt_base, gpt_lora, tmp_path):
     """The registered features that leave the adapters' path alone train with LoRA to LoRA's own losses (their
     mechanisms applied: the banner names them); CoC, whose chunks ride on the trainable linears' path that LoRA's
     frozen bases leave, is refused with it in one line."""
-    _, alone = _lora(tmp_path, "alone", gpt_base, *TP2_SP)
+    alone = gpt_lora[3]  # TP2 + SP (its --save leaves the losses alone)
     run, stacked = _lora(tmp_path, "stacked", gpt_base, *TP2_SP, *BESIDE_LORA)
     applied = next(line for line in run.out.splitlines() if "features applied:" in line)
     assert all(flag.removeprefix("--use-").removeprefix("--") in applied for flag in BESIDE_LORA), applied

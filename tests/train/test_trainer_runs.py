@@ -29,37 +29,46 @@ BROKEN = "broken_trainer_features"
 MARKER = "latest_checkpointed_iteration.txt"
 
 
-def _evaluated_against_its_own_stream(tmp_path, *broken) -> tuple[float, float]:
-    """(the validation loss after step 1, the training loss of those weights on the validation split's stream):
-    learning rate 0, so the step leaves the weights as they were; the second run starts from the first's save
-    (--finetune) with the seed the validation split draws with."""
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    """(the validation loss after step 1, the same with evaluation on the training split (broken), the training loss
+    of those weights on the validation split's stream): learning rate 0, so the step leaves the weights as they
+    were (the broken run's too: one run from the first's save, --finetune, with the seed the validation split draws
+    with, serves both)."""
     from mm_adaptor.train.providers import SPLIT_SEED_STRIDE
 
-    run = [*TP2, "--lr", "0", "--train-iters", "1", "--seed", "1234"]
-    first = train([*run, "--eval-iters", "1", "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
-                   "--tensorboard-dir", str(tmp_path / "tb-eval"), *broken])  # evaluated once, after training
+    tmp_path = tmp_path_factory.mktemp("evaluated")
+    run = [*TP2, "--lr", "0", "--train-iters", "1", "--seed", "1234", "--eval-iters", "1"]  # evaluated after training
+    first = train([*run, "--save", str(tmp_path / "ckpt"), "--save-interval", "1"])
     assert first.status == 0, first.err[-3000:]
+    with extra_feature_module(BROKEN):
+        broken = train([*run, "--test-eval-on-train-split"])
+    assert broken.status == 0, broken.err[-3000:]
     again = train([*TP2, "--lr", "0", "--train-iters", "1", "--seed", str(1234 + SPLIT_SEED_STRIDE),
                    "--load", str(tmp_path / "ckpt"), "--finetune", "--tensorboard-dir", str(tmp_path / "tb-train")])
     assert again.status == 0, again.err[-3000:]
+    return _validation(first), _validation(broken), scalars(tmp_path / "tb-train")[1]
+
+
+def _validation(run) -> float:
     # Megatron prints the validation set's loss apart from the test set's (its TensorBoard tag is the same for both)
-    validation = re.search(r"validation loss at iteration 1 on validation set \| lm loss value: (\S+) \|", first.out)
-    return float(validation.group(1)), scalars(tmp_path / "tb-train")[1]
+    return float(re.search(r"validation loss at iteration 1 on validation set \| lm loss value: (\S+) \|",
+                           run.out).group(1))
 
 
 def _assert_same(validation: float, training: float) -> None:
     assert abs(validation - training) <= 1e-6 * abs(training), (validation, training)  # 7 printed digits
 
 
-def test_evaluation_reads_the_validation_split(tmp_path):
-    _assert_same(*_evaluated_against_its_own_stream(tmp_path))
+def test_evaluation_reads_the_validation_split(evaluated):
+    validation, _, training = evaluated
+    _assert_same(validation, training)
 
 
-def test_evaluation_on_the_training_split_is_rejected(tmp_path):
-    with extra_feature_module(BROKEN):
-        validation, training = _evaluated_against_its_own_stream(tmp_path, "--test-eval-on-train-split")
+def test_evaluation_on_the_training_split_is_rejected(evaluated):
+    _, broken, training = evaluated
     with pytest.raises(AssertionError):
-        _assert_same(validation, training)
+        _assert_same(broken, training)
 
 
 ITERATIONS = 12
@@ -67,10 +76,11 @@ ITERATIONS = 12
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+    """Also serves the MFU without a peak (--log-throughput leaves the losses alone)."""
     tb = tmp_path_factory.mktemp("tb-whole")
-    run = train([*TP2, "--train-iters", str(ITERATIONS), "--tensorboard-dir", str(tb)])
+    run = train([*TP2, "--train-iters", str(ITERATIONS), "--log-throughput", "--tensorboard-dir", str(tb)])
     assert run.status == 0, run.err[-3000:]
-    return scalars(tb)
+    return run, scalars(tb)
 
 
 def _stopped_by_sigterm(tmp_path, *extra):
@@ -105,7 +115,7 @@ def test_sigterm_saves_exits_0_and_the_resumed_run_continues_the_losses(tmp_path
     assert resumed.status == 0, resumed.err[-3000:]
     after = scalars(tmp_path / "tb-resumed")
     assert sorted(after) == list(range(reached + 1, ITERATIONS + 1))
-    assert {**logged, **after} == uninterrupted  # every loss, bit for bit
+    assert {**logged, **after} == uninterrupted[1]  # every loss, bit for bit
 
 
 def test_a_stop_that_does_not_save_is_rejected(tmp_path):
@@ -115,17 +125,13 @@ def test_a_stop_that_does_not_save_is_rejected(tmp_path):
         _assert_stopped_and_saved(run, logged, save)
 
 
-def test_exit_interval_saves_and_stops(tmp_path):
-    run = train([*TP2, "--train-iters", str(ITERATIONS), "--exit-interval", "2", "--save", str(tmp_path),
-                 "--save-interval", "1000"])
+def test_exit_interval_saves_and_stops_and_the_iteration_line_is_megatron_s(tmp_path, uninterrupted):
+    """One run: --exit-interval 3 saves and stops it; its 3 iteration lines carry the trainer's fields."""
+    run = train([*TP2, "--train-iters", str(ITERATIONS), "--exit-interval", "3", "--save", str(tmp_path / "ckpt"),
+                 "--save-interval", "1000", "--log-tps", "--log-throughput", "--mfu-peak-tflops", "0.5",
+                 "--tensorboard-dir", str(tmp_path / "tb")])
     assert run.status == 0, run.err[-3000:]
-    assert "exiting program at iteration 2" in run.out and int((tmp_path / MARKER).read_text()) == 2
-
-
-def test_the_iteration_line_is_megatron_s_with_the_trainer_s_fields(tmp_path):
-    run = train([*TP2, "--train-iters", "3", "--log-tps", "--log-throughput", "--mfu-peak-tflops", "0.5",
-                 "--tensorboard-dir", str(tmp_path)])
-    assert run.status == 0, run.err[-3000:]
+    assert "exiting program at iteration 3" in run.out and int((tmp_path / "ckpt" / MARKER).read_text()) == 3
     lines = run.iteration_lines()
     assert len(lines) == 3, run.out[-3000:]
     for field in ("consumed samples", "elapsed time per iteration (ms)", "throughput per GPU (TFLOP/s/GPU)",
@@ -141,9 +147,9 @@ def test_the_iteration_line_is_megatron_s_with_the_trainer_s_fields(tmp_path):
         assert text.endswith("of 0.5 TFLOP/s (--mfu-peak-tflops, fp32 dense peak)"), text
         assert abs(percent - 100 * tflops / 0.5) <= 0.1 + 0.05 * percent, (tflops, text)
     assert [float(v) for v in run.field("tokens per sample")] == [64.0] * 3  # the GPT's mock rows: --seq-length
-    assert sorted(scalars(tmp_path)) == [1, 2, 3]
-    without_peak = train([*TP2, "--train-iters", "1", "--log-throughput"])
-    assert without_peak.field("MFU") == ["n/a (no peak for the CPU; give --mfu-peak-tflops)"]
+    assert sorted(scalars(tmp_path / "tb")) == [1, 2, 3]
+    without_peak = uninterrupted[0].field("MFU")
+    assert without_peak == ["n/a (no peak for the CPU; give --mfu-peak-tflops)"] * ITERATIONS, without_peak
 
 
 def test_no_evaluation_where_the_split_has_no_samples_and_a_damaged_sample_is_skipped(tmp_path):
