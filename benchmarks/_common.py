@@ -122,20 +122,97 @@ def _destroy_single_rank() -> None:
 ITERATION_FIELD = r"\| {}(?: \([^)]*\))?: ([^|]+?) \|"  # "tokens per second (padded)" too
 
 
-def train_as_a_user(argv: list[str], timeout: float = 3600) -> dict:
-    """`mm-adaptor train argv`, the trainer on Megatron-LM's loop, as a user runs it, one iteration line per step:
-    the mean iteration ms and non-padding tokens/s of every step but the first (its compilation and warm-up), the
-    last line's peak memory (most loaded rank) and the last step's loss."""
-    import re
+def forked(fn, timeout: float | None = None) -> tuple[int, str, str]:
+    """fn() in a child forked from this process, which starts with its imports (a fresh interpreter spends seconds
+    of CPU importing torch and megatron): (exit status, stdout, stderr). The status is fn's int result (0 for
+    None), 1 when it raised (traceback on stderr), -9 past `timeout`. For the CPU: a child forked after this
+    process initialised CUDA cannot use it."""
+    import os
+    import signal
+    import sys
+    import tempfile
+    import traceback
+
+    from mm_adaptor.ranks.process import exit_skipping_teardown
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                _own_exit()
+                result = fn()
+                code = result if isinstance(result, int) else 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+                if code and not isinstance(exc.code, int):
+                    print(exc.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                exit_skipping_teardown(code)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+            if deadline is not None and time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        out.seek(0)
+        err.seek(0)
+        return os.waitstatus_to_exitcode(done[1]), out.read(), err.read()
+
+
+def _own_exit() -> None:
+    """In a forked child: at its exit only what it registers runs (not its parent's exit handlers, which e.g.
+    remove the parent's temporary folders), as in a fresh process; multiprocessing's state reset as for its own
+    forked children."""
+    import atexit
+    import weakref
+    from multiprocessing import process, util
+
+    atexit._clear()
+    for finalizer in list(weakref.finalize._registry):
+        finalizer.atexit = False
+    atexit.register(weakref.finalize._exitfunc)
+    process._children.clear()
+    util._finalizer_registry.clear()
+    util._run_after_forkers()
+
+
+def run_cli(argv: list[str], timeout: float = 3600, fork: bool = False) -> tuple[int, str, str]:
+    """`python -m mm_adaptor.cli argv`: (exit status, stdout, stderr); with fork, its main() in a forked child
+    (forked), as the program runs it."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "mm_adaptor.cli", "train", *argv, "--log-interval", "1",
-                           "--log-tps"], capture_output=True, text=True, timeout=timeout)
-    lines = [line for line in done.stdout.splitlines() if re.search(r" iteration +\d+/ *\d+ \|", line)]
-    if done.returncode != 0 or len(lines) < 2:
+    if not fork:
+        done = subprocess.run([sys.executable, "-m", "mm_adaptor.cli", *argv], capture_output=True, text=True,
+                              timeout=timeout)
+        return done.returncode, done.stdout, done.stderr
+    import mm_adaptor.cli
+    import mm_adaptor.ranks.preload  # noqa: F401  (torch, megatron.training: imported once, before the forks)
+
+    def program():
+        sys.argv = [mm_adaptor.cli.__file__.replace("__init__", "__main__"), *argv]
+        return mm_adaptor.cli.main(argv)
+
+    return forked(program, timeout)
+
+
+def train_as_a_user(argv: list[str], timeout: float = 3600, fork: bool = False) -> dict:
+    """`mm-adaptor train argv`, the trainer on Megatron-LM's loop, as a user runs it, one iteration line per step:
+    the mean iteration ms and non-padding tokens/s of every step but the first (its compilation and warm-up), the
+    last line's peak memory (most loaded rank) and the last step's loss. fork: see run_cli."""
+    import re
+
+    returncode, stdout, stderr = run_cli(["train", *argv, "--log-interval", "1", "--log-tps"], timeout, fork)
+    lines = [line for line in stdout.splitlines() if re.search(r" iteration +\d+/ *\d+ \|", line)]
+    if returncode != 0 or len(lines) < 2:
         raise SystemExit(f"mm-adaptor train {' '.join(argv)} failed or logged under 2 iterations:\n"
-                         f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+                         f"{stdout[-2000:]}\n{stderr[-3000:]}")
 
     def values(name: str) -> list[float]:
         return [float(re.search(ITERATION_FIELD.format(re.escape(name)), line).group(1)) for line in lines]

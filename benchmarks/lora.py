@@ -13,6 +13,7 @@ device allocator's peak on CUDA/NPU, the process's peak resident set on the CPU)
 steps after the first, and the ratios of LoRA to full fine-tuning.
 
     python benchmarks/lora.py [--device cpu|cuda] [--seq N] [--samples N] [--steps N] [--llm-layers N] [--r R]
+                              [--train-args='ARGS'] [--start spawn|fork]
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
+import shlex
 import sys
 import tempfile
 
-from _common import ITERATION_FIELD, device_name, package_version
+from _common import ITERATION_FIELD, device_name, package_version, run_cli
 from vlm_packing import make_data
 from vlm_throughput import CPU_MIX, MIX, model_config, run_arguments, sized
 
@@ -33,15 +34,17 @@ TRAINABLE = re.compile(r"trainable ([\d,]+) of ([\d,]+) parameters")
 
 
 def optimizer_bytes(save: str) -> int:
-    """The bytes of the optimizer state in the save's latest checkpoint (every key under `optimizer.`)."""
+    """The bytes of the optimizer state in the save's latest checkpoint (every tensor key under `optimizer.`), from
+    its torch_dist metadata (what megatron's load_tensors_metadata reads, without importing megatron here)."""
     import math
 
-    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     iteration = open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip()
-    stored = dist_checkpointing.load_tensors_metadata(os.path.join(save, f"iter_{int(iteration):07d}"))
-    return sum(math.prod(entry.global_shape) * entry.dtype.itemsize for key, entry in stored.items()
-               if key.startswith("optimizer."))
+    stored = FileSystemReader(os.path.join(save, f"iter_{int(iteration):07d}")).read_metadata().state_dict_metadata
+    return sum(math.prod(entry.size) * entry.properties.dtype.itemsize for key, entry in stored.items()
+               if key.startswith("optimizer.") and isinstance(entry, TensorStorageMetadata))
 
 
 def run(opts, folder: str, name: str, extra: list[str]) -> dict:
@@ -51,13 +54,12 @@ def run(opts, folder: str, name: str, extra: list[str]) -> dict:
             "--seed", str(opts.seed), "--packing", "--freeze-vision", "--bf16", "--use-distributed-optimizer",
             "--nproc-per-node", "1", "--lr", "1e-4", "--calculate-per-token-loss", "--attention-dropout", "0",
             "--eval-iters", "0", "--save", save, "--save-interval", str(opts.steps), "--log-interval", "1",
-            "--log-tps", *extra]
-    done = subprocess.run([sys.executable, "-m", "mm_adaptor.cli", "train", *argv], capture_output=True, text=True,
-                          timeout=3600)
-    lines = [line for line in done.stdout.splitlines() if re.search(r" iteration +\d+/ *\d+ \|", line)]
-    found = TRAINABLE.search(done.stdout)
-    if done.returncode or len(lines) < 2 or not found:
-        sys.exit(f"mm-adaptor train ({name}) failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+            "--log-tps", *extra, *shlex.split(opts.train_args)]
+    returncode, stdout, stderr = run_cli(["train", *argv], 3600, fork=opts.start == "fork")
+    lines = [line for line in stdout.splitlines() if re.search(r" iteration +\d+/ *\d+ \|", line)]
+    found = TRAINABLE.search(stdout)
+    if returncode or len(lines) < 2 or not found:
+        sys.exit(f"mm-adaptor train ({name}) failed:\n{stdout[-2000:]}\n{stderr[-3000:]}")
 
     def values(field: str) -> list[float]:
         return [float(re.search(ITERATION_FIELD.format(re.escape(field)), line).group(1)) for line in lines]

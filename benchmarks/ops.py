@@ -4,7 +4,7 @@ python benchmarks/ops.py --device cuda                     # the issue's shapes 
 python benchmarks/ops.py --device cuda --hidden 1024 2048 4096 8192 16384 [--tokens 16384]
 python benchmarks/ops.py [--tokens 4096] [--hidden 1024 4096] # CPU
 options: --dtype float32 bfloat16, --impls (subset of IMPLEMENTATIONS), --ops (subset of the ops), --min-run-time,
---copy-mib
+--copy-mib, --compile-backend
 
 Implementations: mm_adaptor (`mm_adaptor.ops`), eager (the plain PyTorch composition; for RoPE megatron-core's
 own `_apply_rotary_pos_emb_bshd`), torch.compile (of the eager code), torch F.rms_norm, liger (Liger-Kernel's
@@ -294,11 +294,12 @@ def measure(case, impl, binder, reference, min_run_time, device):
         return ("compile failed: " if impl == "torch.compile" else "failed: ") + first_line(exc)
 
 
-def binders_for(op, impls, liger):
+def binders_for(op, impls, liger, backend="inductor"):
     eager = EAGER[op]
     table = {"mm_adaptor": lambda inputs, grad: bind_plain(MM_ADAPTOR[op], inputs, grad),
              "eager": lambda inputs, grad: bind_plain(eager, inputs, grad),
-             "torch.compile": lambda inputs, grad: bind_plain(torch.compile(eager, dynamic=False), inputs, grad),
+             "torch.compile": lambda inputs, grad: bind_plain(torch.compile(eager, dynamic=False, backend=backend),
+                                                              inputs, grad),
              "liger": liger[op]}
     if op == "rms_norm":
         table["torch F.rms_norm"] = lambda inputs, grad: bind_plain(aten_rms_norm, inputs, grad)
@@ -335,6 +336,7 @@ def main(argv=None):
     parser.add_argument("--ops", nargs="+", default=list(MIN_BYTES), choices=list(MIN_BYTES), help="default: all")
     parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
     parser.add_argument("--copy-mib", type=int, help="copy-bandwidth buffer (default 1024 on CUDA, 256 elsewhere)")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile's backend (aot_eager: no codegen)")
     args = parser.parse_args(argv)
     device_type = torch.device(args.device).type
     on_cuda = device_type == "cuda"
@@ -355,7 +357,8 @@ def main(argv=None):
     if not any(isinstance(binder, str) for binder in liger.values()):
         print(f"# liger: {LIGER_CALLS}")
     print(f"# device-to-device copy of {copy_bytes >> 20} MiB: {copy_gbs:.4g} GB/s (2 x bytes / time); "
-          f"medians of {'CUDA events' if on_cuda else 'torch.utils.benchmark'}, {args.min_run_time} s each")
+          f"medians of {'CUDA events' if on_cuda else 'torch.utils.benchmark'}, {args.min_run_time} s each"
+          + ("" if args.compile_backend == "inductor" else f"; torch.compile backend {args.compile_backend}"))
     print_columns(COLUMNS)
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
@@ -365,7 +368,7 @@ def main(argv=None):
             case = Case(op, shape, dtype, inputs, grad)
             reference = reference_result(case)
             results = {impl: measure(case, impl, binder, reference, args.min_run_time, args.device)
-                       for impl, binder in binders_for(op, impls, liger).items()}
+                       for impl, binder in binders_for(op, impls, liger, args.compile_backend).items()}
             print_rows(case, results, copy_gbs)
             del case, inputs, grad, reference, results
             if on_cuda:

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from _common import init_single_rank, llama_like_driver_options
+from _common import forked, init_single_rank, llama_like_driver_options
 
 CONFIGS = {
     "unpatched": [],
@@ -49,11 +49,15 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3, help="measured steps per configuration")
     p.add_argument("--warmup", type=int, default=1, help="steps before measuring (the first makes Adam's state)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of: {', '.join(CONFIGS)}")
+    p.add_argument("--start", choices=["spawn", "fork"], default="spawn",
+                   help="how each configuration's process starts: fork shares this process's imports (CPU only)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # run this configuration here and print JSON
     args = p.parse_args(argv)
     unknown = set(args.configs.split(",")) - set(CONFIGS)
     if unknown:
         p.error(f"--configs: unknown {', '.join(sorted(unknown))}; choose from {', '.join(CONFIGS)}")
+    if args.start == "fork" and args.device != "cpu":
+        p.error("--start fork: CPU only (a forked process cannot initialise CUDA)")
     return args
 
 
@@ -134,14 +138,21 @@ def main(argv=None):
     from _common import device_name
 
     rows = []
+    if args.start == "fork":  # what run_one imports, once, before the forks
+        import mm_adaptor.harness.runner.model  # noqa: F401
     for name in args.configs.split(","):
-        child = [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:]), "--one", name]
-        done = subprocess.run(child, stdout=subprocess.PIPE, text=True)
-        if done.returncode:
-            print(f"#   {name}: failed (exit {done.returncode}); its error is above", file=sys.stderr, flush=True)
-            rows.append(dict(name=name, failed=done.returncode))
+        if args.start == "fork":
+            returncode, stdout, stderr = forked(lambda name=name: run_one(args, name))
+            print(stderr, end="", file=sys.stderr)  # its progress lines and errors, as a child's own
+        else:
+            child = [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:]), "--one", name]
+            done = subprocess.run(child, stdout=subprocess.PIPE, text=True)
+            returncode, stdout = done.returncode, done.stdout
+        if returncode:
+            print(f"#   {name}: failed (exit {returncode}); its error is above", file=sys.stderr, flush=True)
+            rows.append(dict(name=name, failed=returncode))
             continue
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        rows.append(json.loads(stdout.strip().splitlines()[-1]))
     ok = [r for r in rows if "failed" not in r]
     if not ok:
         return 1

@@ -14,6 +14,7 @@ frozen vision tower's forward), peak memory (the device allocator's peak on CUDA
 resident set (VmHWM) on the CPU) and the last loss; then the ratios to the peer.
 
     python benchmarks/vlm_throughput.py [--device cpu|cuda] [--seq N] [--samples N] [--steps N] [--llm-layers N]
+                                        [--runs unfused,fused] [--train-args='ARGS'] [--start spawn|fork]
 """
 
 from __future__ import annotations
@@ -21,15 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
 
-from _common import device_name, package_version, train_as_a_user
+from _common import device_name, forked, package_version, train_as_a_user
 from vlm_packing import make_data
 
 FUSED = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb", "--use-flash-attn"]
+RUNS = {"unfused": [], "fused": FUSED}  # the trainer runs: "mm-adaptor, <name>" rows
 # (weight, image side): generated images of 4 x 4 to 32 x 32 patches (16 to 256 merged tokens)
 MIX = ((0.4, 112), (0.4, 224), (0.2, 448))
 CPU_MIX = ((0.5, 56), (0.5, 112))
@@ -128,8 +131,9 @@ def ours(opts, extra: list[str]) -> dict:
     argv = ["--hf-config", opts.config, "--data-path", opts.data, "--seq-length", str(opts.seq),
             "--micro-batch-size", "1", "--global-batch-size", str(opts.samples), "--train-iters", str(opts.steps),
             "--seed", str(opts.seed), "--packing", "--freeze-vision", "--bf16", "--nproc-per-node", "1", "--lr", "1e-5",
-            "--calculate-per-token-loss", "--attention-dropout", "0", "--eval-iters", "0", *extra]
-    return train_as_a_user(argv)
+            "--calculate-per-token-loss", "--attention-dropout", "0", "--eval-iters", "0", *extra,
+            *shlex.split(opts.train_args)]
+    return train_as_a_user(argv, fork=opts.start == "fork")
 
 
 def timed_samples(opts) -> list[tuple[int, list]]:
@@ -156,6 +160,10 @@ def run_arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--llm-layers", type=int, default=None, help="language layers (default: the model's, 4 on "
                                                                      "the CPU)")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--train-args", default="", help="more `mm-adaptor train` arguments for every trainer run "
+                                                         "(one string, e.g. --train-args='--no-bias-swiglu-fusion')")
+    parser.add_argument("--start", choices=["spawn", "fork"], default="spawn",
+                        help="how each run's process starts: fork shares this process's imports (CPU only)")
     return parser
 
 
@@ -168,10 +176,15 @@ def sized(opts):
 
 def main() -> None:
     parser = run_arguments(__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"trainer runs, a subset of {','.join(RUNS)} (the peer "
+                                                                 "always runs)")
     parser.add_argument("--peer-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     opts = sized(parser.parse_args())
+    runs = opts.runs.split(",")
+    if set(runs) - set(RUNS):
+        parser.error(f"--runs: unknown {', '.join(sorted(set(runs) - set(RUNS)))}; choose from {', '.join(RUNS)}")
     if opts.peer_worker:
         print("PEER " + json.dumps(peer(opts)), flush=True)
         return
@@ -185,14 +198,18 @@ def main() -> None:
         timed = timed_samples(opts)
         language, vision = step_flops(hf, timed)
         tokens = sum(n for n, _ in timed)
-        for name, extra in (("mm-adaptor, unfused", []), ("mm-adaptor, fused", FUSED)):
-            rows[name] = ours(opts, extra)
-        argv = [a for a in sys.argv[1:]] + ["--peer-worker", "--config", opts.config, "--data", opts.data,
-                                           "--seq", str(opts.seq), "--samples", str(opts.samples)]
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], capture_output=True, text=True)
-        line = [ln for ln in done.stdout.splitlines() if ln.startswith("PEER ")]
-        if done.returncode or not line:
-            sys.exit(f"the transformers peer failed: {done.stderr[-3000:]}")
+        for run in runs:
+            rows[f"mm-adaptor, {run}"] = ours(opts, RUNS[run])
+        if opts.start == "fork":
+            code, stdout, stderr = forked(lambda: print("PEER " + json.dumps(peer(opts)), flush=True))
+        else:
+            argv = [a for a in sys.argv[1:]] + ["--peer-worker", "--config", opts.config, "--data", opts.data,
+                                               "--seq", str(opts.seq), "--samples", str(opts.samples)]
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], capture_output=True, text=True)
+            code, stdout, stderr = done.returncode, done.stdout, done.stderr
+        line = [ln for ln in stdout.splitlines() if ln.startswith("PEER ")]
+        if code or not line:
+            sys.exit(f"the transformers peer failed: {stderr[-3000:]}")
         rows["transformers (peer)"] = json.loads(line[0][5:])
     print(f"# {device_name(opts.device)}, torch {package_version('torch')}, megatron-core "
           f"{package_version('megatron-core')}, transformers {package_version('transformers')}; Qwen2.5-VL "

@@ -21,8 +21,8 @@ LAYOUTS = {
 OUTSIDE_THE_STEPS = ["--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--eval-iters", "0", "--num-workers", "0"]
 
 
-def mean_iteration_ms(argv: list[str]) -> float:
-    return train_as_a_user([*argv, *OUTSIDE_THE_STEPS], timeout=1800)["iteration_ms"]
+def mean_iteration_ms(argv: list[str], fork: bool = False) -> float:
+    return train_as_a_user([*argv, *OUTSIDE_THE_STEPS], timeout=1800, fork=fork)["iteration_ms"]
 
 
 def measured_chunk_costs(argv: list[str]) -> dict:
@@ -51,6 +51,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--extra", type=int, default=1, help="--vpp-extra-warmup-microbatches")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--start", choices=["spawn", "fork"], default="spawn",
+                        help="how each `mm-adaptor train` process starts: fork shares this process's imports")
     parser.add_argument("--transfer-ms", type=float, default=0.6,
                         help="one point-to-point transfer for the prediction (gloo between local ranks: about 0.35 ms "
                              "of latency plus the hidden states at about 1 GB/s, benchmarks/coc_overlap.py)")
@@ -67,7 +69,8 @@ def main(argv=None) -> dict:
     for name in args.layouts.split(","):
         with_feature = [*LAYOUTS[name], *model, "--vpp-extra-warmup", "--vpp-extra-warmup-microbatches",
                         str(args.extra)]
-        off, on = mean_iteration_ms([*LAYOUTS[name], *model]), mean_iteration_ms(with_feature)
+        fork = args.start == "fork"
+        off, on = mean_iteration_ms([*LAYOUTS[name], *model], fork), mean_iteration_ms(with_feature, fork)
         stats = measured_chunk_costs(with_feature)
         plain_ms, extra_ms, plain_peak, extra_peak = predicted_ms(LAYOUTS[name], args.micro_batches, stats, args.extra,
                                                                   args.transfer_ms)
