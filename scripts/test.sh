@@ -19,7 +19,7 @@ done
 # + transformers 4.57 (the newest leg runs 5.x): both VLM families' TP1 logits against it and the configs each
 #   major saves
 # + InternVL's logits against transformers 4.57 as well
-# - the benchmarks' smoke runs (tests/unit/test_benchmarks_run.py, 75 s here): they run on the newest release; on
+# - the benchmarks' smoke runs (tests/unit/test_benchmarks_run.py, about 70 s quiet): they run on the newest release; on
 #   0.16.1 the features they drive are checked by test_every_feature_on_installed_megatron.py
 # - what does not touch megatron-core (about 110 s of CI's 2 cores): the launcher and its ranks' start and exit, and
 #   the command lines refused before torch is imported
