@@ -58,7 +58,8 @@ def layout_args(parallel: frozenset, experts_over_tp: bool = False) -> tuple[lis
     """The training arguments of the smallest layout with these dimensions, and its rank count. `experts_over_tp`:
     the TP ranks already hold different experts (megatron's EP is TP x the given EP), so the given EP is 1."""
     tp, pp = (2 if "tp" in parallel else 1), (2 if "vpp" in parallel else 1)
-    # (beside CP2 megatron-core 0.16.1 failed that layout's check: there the given EP stays 2)
+    # (beside CP2 the given EP stays 2: there unpatched megatron-core 0.16.1 with expert TP 1 < TP, the baseline
+    # of balanced's runs, failed the check at EP 1, while 0.19.2 passed; not yet pinned down)
     ep = 2 if "moe" in parallel and not (experts_over_tp and tp > 1 and "cp" not in parallel) else 1
     cp = 2 if "cp" in parallel else 1  # the feature's own flags set it (NEEDS); the layout counts its ranks
     # experts span TP x CP x DP ranks (expert TP = TP), so CP x DP is a multiple of EP; otherwise DP2 where nothing
