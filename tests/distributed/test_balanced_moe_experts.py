@@ -2,7 +2,7 @@
 (fp32) and allgather (bf16, every layer recomputed) dispatchers, grouped GEMMs (megatron-core 0.17+), a hot set kept
 over several forwards, and on 4 ranks EP4 and EP2 x TP2 (+SP, expert TP 1); the hot experts were copied, their tokens
 computed off their owners and the gradients returned. A variant whose owners drop the returned gradients fails
-(fp32). Beside pipeline parallelism: the pair matrix (tests/distributed/test_feature_pairs.py)."""
+(fp32, bf16). Beside pipeline parallelism: the pair matrix (tests/distributed/test_feature_pairs.py)."""
 
 import pytest
 
@@ -64,11 +64,12 @@ def test_four_ranks(layout):
     check([*FOUR_RANKS, *layout], hot=2, layout=None, nproc=4)
 
 
-def test_a_hot_experts_gradient_not_returned_fails():
-    """The unpatched runs are test_ep2_alltoall_fp32's (cached)."""
+@pytest.mark.parametrize("precision", [ALLTOALL, ["--bf16", *FULL_RECOMPUTE]], ids=["fp32", "bf16"])
+def test_a_hot_experts_gradient_not_returned_fails(precision):
+    """The unpatched runs are test_ep2_alltoall_fp32's and test_ep2_allgather_bf16_fully_recomputed's (cached)."""
     with harness.extra_feature_module("broken_balanced_moe_feature"):
         result = harness.compare(["--use-test-balanced-moe-gradient-not-returned"], layout="ep2-moe",
-                                 extra_args=ALLTOALL, iters=3)
+                                 extra_args=precision, iters=3)
     assert not result.passed
     assert result.grads.failures, "the owner's gradient of a hot expert misses the copies' part"
     stats = result.memory_on["feature_statistics"]["test-balanced-moe-gradient-not-returned"]

@@ -1,7 +1,7 @@
 """--moe-alltoall-overlap-comm against unpatched Megatron, bit for bit: EP2 (fp32, bf16, one chunk, two chunks of two
 experts), EP2 x TP2 (expert TP2 under sequence parallelism, 4 ranks) and EP4 (4 ranks); each run counts its
 asynchronous all-to-alls forward and backward and the expert chunks computed with another chunk's all-to-all in
-flight. A chunk whose rows go to the wrong expert fails the harness. (The driver has no shared-experts
+flight. A chunk whose rows go to the wrong expert fails the harness, fp32 and bf16. (The driver has no shared-experts
 flag: benchmarks/moe_overlap.py checks a layer with shared experts bit for bit, and its smoke run in
 tests/unit/test_benchmarks_run.py runs that check.)
 --moe-permutation-async-comm: a recorded no-op on the CPU, bit for bit beside the overlap (the EP2 fp32 run)."""
@@ -58,9 +58,12 @@ def test_four_ranks(layout):
     check([*A2A, "--num-layers", "2", *layout], layout=None, nproc=4)
 
 
-def test_a_chunk_sent_to_the_wrong_expert_fails():
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_a_chunk_sent_to_the_wrong_expert_fails(precision):
+    """The unpatched runs are test_ep2_fp32_beside_the_permutation_on_a_side_stream's and test_ep2_bf16's (cached)."""
     with harness.extra_feature_module("broken_moe_overlap_feature"):
-        result = harness.compare(["--use-test-moe-overlap-wrong-expert"], layout="ep2-moe", extra_args=A2A, iters=3)
+        result = harness.compare(["--use-test-moe-overlap-wrong-expert"], layout="ep2-moe",
+                                 extra_args=[*A2A, *precision], iters=3)
     assert not result.passed
     stats = result.memory_on["feature_statistics"]["test-moe-overlap-wrong-expert"]
     assert stats["dispatch all-to-alls issued async"] > 0, stats

@@ -1,7 +1,8 @@
 """--moe-tp-extend-ep against unpatched Megatron at the same TP and EP (experts sliced over TP): TP2 x EP1 (2 ranks,
 fp32) and TP2 x EP2 (4 ranks, fp32 and bf16), both dispatchers, a gated (SwiGLU) expert; expert parameters and
 gradients compared whole by global expert index (harness.expert_view.assemble_experts), within the calibrated
-rounding noise; megatron built the extended layout (expert TP 1, EP = TP x EP); experts assigned one rank off fail.
+rounding noise; megatron built the extended layout (expert TP 1, EP = TP x EP); experts assigned one rank off fail,
+fp32 and bf16.
 (bf16 at TP2 x EP1 and the pairs with every other feature: tests/distributed/test_feature_pairs.py.)"""
 
 import pytest
@@ -41,10 +42,12 @@ def test_tp2_ep2_four_ranks(extra):
     assert_extended(result, ep=4, local=1)
 
 
-def test_experts_assigned_one_rank_off_fail():
-    """The unpatched runs are test_tp2_ep1_two_ranks's (cached)."""
+@pytest.mark.parametrize("extra, nproc", [(TP2_EP1, 2), ([*TP2_EP2, "--bf16", "--swiglu", "--moe-token-dispatcher-type",
+                                                            "allgather"], 4)], ids=["fp32", "bf16"])
+def test_experts_assigned_one_rank_off_fail(extra, nproc):
+    """The unpatched runs are test_tp2_ep1_two_ranks's and test_tp2_ep2_four_ranks' bf16 one (cached)."""
     with harness.extra_feature_module("broken_moe_tp_extend_ep_feature"):
-        result = check(TP2_EP1, nproc=2, flags=["--use-test-moe-tp-extend-ep-off-by-one-rank"])
+        result = check(extra, nproc=nproc, flags=["--use-test-moe-tp-extend-ep-off-by-one-rank"])
     assert not result.passed
     assert result.loss_failures and result.grads.failures, "the wrong experts' outputs reach the loss"
     stats = result.memory_on["feature_statistics"]["test-moe-tp-extend-ep-off-by-one-rank"]
