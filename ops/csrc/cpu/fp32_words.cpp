@@ -14,7 +14,8 @@ namespace {
 
 using namespace mm_adaptor::cpu;
 
-constexpr int64_t kBlock = 4096;  // a block with a word outside int16 is scanned again for its positions
+// a block with a word outside int16 is scanned again for its positions
+constexpr int64_t kWordBlock = 4096;
 
 // The first `capacity` exceptions (ascending) with their words; the rest of both buffers -1 and 0; count: how many.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> split_fp32_words(const at::Tensor& main_in,
@@ -28,11 +29,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> split_fp32_words(cons
   const auto* words = reinterpret_cast<const int32_t*>(main.data_ptr());
   const auto* highs = reinterpret_cast<const int16_t*>(model.data_ptr());
   auto* res = residual.data_ptr<int16_t>();
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  const int64_t blocks = (n + kWordBlock - 1) / kWordBlock;
   std::vector<std::vector<int64_t>> outside(blocks);
-  at::parallel_for(0, blocks, std::max<int64_t>(1, kMinTaskElements / kBlock), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks, std::max<int64_t>(1, kMinTaskElements / kWordBlock), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t lo = b * kBlock, hi = std::min(n, lo + kBlock);
+      const int64_t lo = b * kWordBlock, hi = std::min(n, lo + kWordBlock);
       int32_t any = 0;
       for (int64_t i = lo; i < hi; ++i) {
         const int64_t diff = static_cast<int64_t>(words[i]) - static_cast<int64_t>(highs[i]) * 65536;
@@ -92,7 +93,8 @@ constexpr uint16_t kCpuNanBits = 0xffff;  // what torch's vectorised (AVX2/AVX-5
 // The blocks of every tensor, numbered in order: tensor t owns blocks [first[t], first[t + 1]).
 std::vector<int64_t> first_blocks(at::TensorList tensors) {
   std::vector<int64_t> first(tensors.size() + 1, 0);
-  for (size_t t = 0; t < tensors.size(); ++t) first[t + 1] = first[t] + (tensors[t].numel() + kBlock - 1) / kBlock;
+  for (size_t t = 0; t < tensors.size(); ++t)
+    first[t + 1] = first[t] + (tensors[t].numel() + kWordBlock - 1) / kWordBlock;
   return first;
 }
 
@@ -110,10 +112,10 @@ void round_split_fp32_words(at::TensorList mains, at::TensorList models, at::Ten
   const auto first = first_blocks(mains);
   const int64_t blocks = first.back();
   std::vector<std::vector<int64_t>> outside(blocks);
-  at::parallel_for(0, blocks, std::max<int64_t>(1, kMinTaskElements / kBlock), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks, std::max<int64_t>(1, kMinTaskElements / kWordBlock), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const size_t t = owner_of(first, b);
-      const int64_t n = mains[t].numel(), lo = (b - first[t]) * kBlock, hi = std::min(n, lo + kBlock);
+      const int64_t n = mains[t].numel(), lo = (b - first[t]) * kWordBlock, hi = std::min(n, lo + kWordBlock);
       const auto* words = reinterpret_cast<const uint32_t*>(mains[t].data_ptr());
       auto* highs = reinterpret_cast<uint16_t*>(models[t].data_ptr());
       auto* res = residuals[t].data_ptr<int16_t>();
@@ -171,10 +173,10 @@ void join_fp32_words_multi(at::TensorList models, at::TensorList residuals, at::
                            at::TensorList kept, at::TensorList counts, at::TensorList outs) {
   mm_adaptor::fp32_words::check_multi_join_args(models, residuals, indices, kept, counts, outs);
   const auto first = first_blocks(outs);
-  at::parallel_for(0, first.back(), std::max<int64_t>(1, kMinTaskElements / kBlock), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, first.back(), std::max<int64_t>(1, kMinTaskElements / kWordBlock), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const size_t t = owner_of(first, b);
-      const int64_t n = outs[t].numel(), lo = (b - first[t]) * kBlock, hi = std::min(n, lo + kBlock);
+      const int64_t n = outs[t].numel(), lo = (b - first[t]) * kWordBlock, hi = std::min(n, lo + kWordBlock);
       const auto* highs = reinterpret_cast<const uint16_t*>(models[t].data_ptr());
       const auto* res = residuals[t].data_ptr<int16_t>();
       auto* words = reinterpret_cast<uint32_t*>(outs[t].data_ptr());

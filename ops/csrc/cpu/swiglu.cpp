@@ -37,8 +37,8 @@ inline A sigmoid(A a) { return A(1) / (A(1) + vexp(-a)); }
 template <typename A>
 inline A silu(A a) { return a * sigmoid(a); }
 
-// Element-wise kernels run over blocks of at most kBlock elements (widened to A in stack buffers).
-constexpr int64_t kBlock = 512;
+// Element-wise kernels run over blocks of at most kEltBlock elements (widened to A in stack buffers).
+constexpr int64_t kEltBlock = 512;
 
 template <typename A>
 inline void swiglu_block(const A* __restrict__ a, const A* __restrict__ b, A* __restrict__ y, int64_t len) {
@@ -70,10 +70,10 @@ at::Tensor swiglu_fwd(const at::Tensor& x_in) {
     const T* xp = x.data_ptr<T>();
     T* yp = y.data_ptr<T>();
     at::parallel_for(0, rows, grain_rows(3 * n), [&](int64_t begin, int64_t end) {
-      A a_buf[kBlock], b_buf[kBlock], y_buf[kBlock];
+      A a_buf[kEltBlock], b_buf[kEltBlock], y_buf[kEltBlock];
       for (int64_t r = begin; r < end; ++r) {
-        for (int64_t i = 0; i < n; i += kBlock) {
-          const int64_t len = std::min(kBlock, n - i);
+        for (int64_t i = 0; i < n; i += kEltBlock) {
+          const int64_t len = std::min(kEltBlock, n - i);
           const T* a = xp + r * n2 + i;
           T* yr = yp + r * n + i;
           A* out = output_buffer<T, A>(yr, y_buf);
@@ -100,10 +100,10 @@ at::Tensor swiglu_bwd(const at::Tensor& dy_in, const at::Tensor& x_in) {
     const T* dyp = dy.data_ptr<T>();
     T* dxp = dx.data_ptr<T>();
     at::parallel_for(0, rows, grain_rows(3 * n), [&](int64_t begin, int64_t end) {
-      A a_buf[kBlock], b_buf[kBlock], g_buf[kBlock], da_buf[kBlock], db_buf[kBlock];
+      A a_buf[kEltBlock], b_buf[kEltBlock], g_buf[kEltBlock], da_buf[kEltBlock], db_buf[kEltBlock];
       for (int64_t r = begin; r < end; ++r) {
-        for (int64_t i = 0; i < n; i += kBlock) {
-          const int64_t len = std::min(kBlock, n - i);
+        for (int64_t i = 0; i < n; i += kEltBlock) {
+          const int64_t len = std::min(kEltBlock, n - i);
           const T* a = xp + r * n2 + i;
           T* da = dxp + r * n2 + i;
           A* da_out = output_buffer<T, A>(da, da_buf);

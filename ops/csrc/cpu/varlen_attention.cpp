@@ -1,5 +1,5 @@
 // Variable-length (packed THD) attention on the CPU, forward and backward. Each query row runs an online softmax
-// over the one contiguous range of keys it sees in its segment (the causal and window bounds), in blocks of kBlock
+// over the one contiguous range of keys it sees in its segment (the causal and window bounds), in blocks of kKeyBlock
 // scores; fp32 accumulation (fp64 for fp64 inputs). Memory O(T * H * D): no score matrix is ever formed.
 // Backward recomputes the probabilities from the log-sum-exp: one pass over query rows for dq, one over key rows
 // (the queries that see a key are a contiguous range too) for dk and dv, so no two threads write one row.
@@ -18,7 +18,7 @@ namespace {
 
 using namespace mm_adaptor::cpu;
 
-constexpr int64_t kBlock = 64;
+constexpr int64_t kKeyBlock = 64;
 constexpr int64_t kUnlimited = -1;
 
 struct Layout {
@@ -99,8 +99,8 @@ template <typename A>
 void forward_kernel(const Layout& layout, const A* q, const A* k, const A* v, A* out, A* lse, int64_t tq, int64_t hq,
                     int64_t hk, int64_t d, int64_t dv, A scale) {
   const int64_t group = hq / hk;
-  at::parallel_for(0, tq * hq, grain_rows(4 * d * kBlock), [&](int64_t begin, int64_t end) {
-    A scores[kBlock];
+  at::parallel_for(0, tq * hq, grain_rows(4 * d * kKeyBlock), [&](int64_t begin, int64_t end) {
+    A scores[kKeyBlock];
     std::vector<A> acc(dv);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t t = row / hq, h = row % hq, kh = h / group;
@@ -110,8 +110,8 @@ void forward_kernel(const Layout& layout, const A* q, const A* k, const A* v, A*
       const A* qi = q + row * d;
       std::fill(acc.begin(), acc.end(), A(0));
       A running_max = -std::numeric_limits<A>::infinity(), total = 0;
-      for (int64_t j0 = lo; j0 < hi; j0 += kBlock) {
-        const int64_t n = std::min(kBlock, hi - j0);
+      for (int64_t j0 = lo; j0 < hi; j0 += kKeyBlock) {
+        const int64_t n = std::min(kKeyBlock, hi - j0);
         A block_max = -std::numeric_limits<A>::infinity();
         for (int64_t jj = 0; jj < n; ++jj) {
           scores[jj] = scale * dot(qi, k + ((layout.ck[b] + j0 + jj) * hk + kh) * d, d);
@@ -141,7 +141,7 @@ void backward_kernel(const Layout& layout, const A* q, const A* k, const A* v, c
                      const A* dout, const A* dlse, A* dq, A* dk, A* dv_out, A* delta, int64_t tq, int64_t tk, int64_t hq,
                      int64_t hk, int64_t d, int64_t dv, A scale) {
   const int64_t group = hq / hk;
-  const int64_t grain = grain_rows(4 * d * kBlock);
+  const int64_t grain = grain_rows(4 * d * kKeyBlock);
   // dq, one query row at a time; delta = rowsum(dout * out) - dlse, kept for the key pass
   at::parallel_for(0, tq * hq, grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
