@@ -57,6 +57,19 @@ def _validate_with_overrides(wrapped, args, kwargs, megatron_args):
         _assign(megatron_args, users)
 
 
+def refuse_known_megatron_bugs(megatron_args) -> None:
+    """After Megatron's validation (its defaults filled in): a layout the installed megatron-core trains wrongly."""
+    from mm_adaptor.core.errors import ConfigurationError
+    from mm_adaptor.versions import known_bugs
+
+    if getattr(megatron_args, "num_experts", None):
+        problem = known_bugs.expert_gradient_problem(
+            megatron_args.tensor_model_parallel_size, megatron_args.expert_model_parallel_size,
+            getattr(megatron_args, "expert_tensor_parallel_size", None))
+        if problem:
+            raise ConfigurationError(problem)
+
+
 def _check_device_serves(megatron_args) -> None:
     from mm_adaptor import devices
 
@@ -79,6 +92,7 @@ def _enable_after_validation(wrapped, instance, args, kwargs):
     from mm_adaptor import __version__, devices
     from mm_adaptor.api import applied_features, enable
 
+    refuse_known_megatron_bugs(megatron_args)
     _check_device_serves(megatron_args)
     enable(megatron_args)
     if getattr(megatron_args, "rank", 0) == 0:

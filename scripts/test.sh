@@ -23,7 +23,8 @@ done
 #   0.16.1 the features they drive are checked by test_every_feature_on_installed_megatron.py
 # - what does not touch megatron-core (about 110 s of CI's 2 cores): the launcher and its ranks' start and exit, and
 #   the command lines refused before torch is imported
-BASE_LEG=(tests/unit tests/distributed/test_every_feature_on_installed_megatron.py tests/npu/test_npu_process_groups.py
+BASE_LEG=(tests/unit tests/distributed/test_every_feature_on_installed_megatron.py tests/distributed/test_known_megatron_bugs.py
+          tests/npu/test_npu_process_groups.py
           tests/models/test_qwen2_5_vl_logits.py tests/models/test_qwen3_vl_logits.py tests/models/test_qwen3_vl_positions.py
           tests/convert/test_config_spellings.py tests/models/test_internvl_logits.py tests/models/test_lora_logits.py
           --ignore=tests/unit/test_benchmarks_run.py --ignore=tests/unit/test_rank_start.py

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from mm_adaptor.core import features
 from mm_adaptor.harness.compare import HarnessError, checked_args
+from mm_adaptor.versions import known_bugs
 
 # Every run: a model on which each layer feature has something to do (norms, SwiGLU, rotary embeddings).
 MODEL_ARGS = ("--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope")
@@ -58,9 +59,10 @@ def layout_args(parallel: frozenset, experts_over_tp: bool = False) -> tuple[lis
     """The training arguments of the smallest layout with these dimensions, and its rank count. `experts_over_tp`:
     the TP ranks already hold different experts (megatron's EP is TP x the given EP), so the given EP is 1."""
     tp, pp = (2 if "tp" in parallel else 1), (2 if "vpp" in parallel else 1)
-    # (beside CP2 the given EP stays 2: there unpatched megatron-core 0.16.1 with expert TP 1 < TP, the baseline
-    # of balanced's runs, failed the check at EP 1, while 0.19.2 passed; not yet pinned down)
-    ep = 2 if "moe" in parallel and not (experts_over_tp and tp > 1 and "cp" not in parallel) else 1
+    # (the given EP stays 2 where unpatched megatron would train the baseline's experts wrongly at EP 1 with expert
+    # TP 1, what balanced's runs need: megatron-core < 0.19, known_bugs)
+    given_ep_1 = experts_over_tp and tp > 1 and known_bugs.expert_gradient_problem(tp, 1, 1) is None
+    ep = 2 if "moe" in parallel and not given_ep_1 else 1
     cp = 2 if "cp" in parallel else 1  # the feature's own flags set it (NEEDS); the layout counts its ranks
     # experts span TP x CP x DP ranks (expert TP = TP), so CP x DP is a multiple of EP; otherwise DP2 where nothing
     # else is 2

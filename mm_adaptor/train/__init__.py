@@ -101,7 +101,8 @@ def _megatron_validation(args) -> None:
 
     from megatron.training import arguments as megatron_arguments
 
-    from mm_adaptor.megatron_lm import _validate_with_overrides
+    from mm_adaptor.core.errors import ConfigurationError
+    from mm_adaptor.megatron_lm import _validate_with_overrides, refuse_known_megatron_bugs
 
     validate = getattr(megatron_arguments.validate_args, "__wrapped__", megatron_arguments.validate_args)
     quiet = io.StringIO()
@@ -116,6 +117,10 @@ def _megatron_validation(args) -> None:
             frame = traceback.extract_tb(exc.__traceback__)[-1]
             message = f"{frame.line} ({os.path.basename(frame.filename)}:{frame.lineno})"
         raise UsageError(f"Megatron-LM refuses the arguments: {message}") from None
+    try:
+        refuse_known_megatron_bugs(args)
+    except ConfigurationError as exc:
+        raise UsageError(str(exc)) from None
 
 
 @contextlib.contextmanager
