@@ -64,7 +64,8 @@ def refuse_known_megatron_bugs(megatron_args) -> None:
 
     if getattr(megatron_args, "num_experts", None):
         problem = known_bugs.expert_gradient_problem(
-            megatron_args.tensor_model_parallel_size, megatron_args.expert_model_parallel_size,
+            getattr(megatron_args, "tensor_model_parallel_size", 1),
+            getattr(megatron_args, "expert_model_parallel_size", 1),
             getattr(megatron_args, "expert_tensor_parallel_size", None))
         if problem:
             raise ConfigurationError(problem)
