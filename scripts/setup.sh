@@ -61,7 +61,12 @@ torch_ok="import sys, torch; s = sys.argv[1]; sys.exit('==' in s and torch.__ver
 "$VENV/bin/python" -c "$torch_ok" "$TORCH_SPEC" 2>/dev/null || "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
 # the vlm extra allows transformers 4.57 to 5.x: each leg pins the major it exercises
 case ",$EXTRAS," in *,vlm,*) PINNED=("$TRANSFORMERS_SPEC") ;; *) PINNED=() ;; esac
+# The editable install writes mm_adaptor.egg-info into this checkout: venvs set up at once take turns here (their
+# torch downloads, above, overlap)
+exec 9>"${TMPDIR:-/tmp}/mm-adaptor-setup-$(printf %s "$PWD" | cksum | cut -d' ' -f1).lock"
+command -v flock >/dev/null && flock 9
 "$VENV/bin/python" -m pip install -q "$MEGATRON_SPEC" ${PINNED[@]+"${PINNED[@]}"} -e ".[$EXTRAS]"
+exec 9>&-
 # transformers' video processors need torchvision (tests compare the video pixels with theirs on the newest leg):
 # the build for this torch, without dependencies (they could replace torch)
 if [ "${1:-}" = latest ]; then

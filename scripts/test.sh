@@ -110,18 +110,18 @@ cat "$main/others.log"
 for rc in "$main"/*.rc; do [ "$(cat "$rc")" = 0 ] || status=$(cat "$rc"); done
 # Then three processes side by side, each mostly one process (unit tests, one fake-NPU run at a time): the newest
 # leg's tests/unit and the two older legs; each prints when all are done. The two processes before keep both
-# cores busy; alone, one of these left a core half idle. The npu-torch environment installs once the base one has
-# (both install this checkout in editable mode), beside the base leg's tests. (Installing them during the
-# multi-rank tests instead slowed those by more than the installs take.)
+# cores busy; alone, one of these left a core half idle. The two older environments install side by side (their
+# editable installs of this checkout take turns, setup.sh), the npu-torch one's torch download beside the base
+# leg's set-up and tests. (Installing them during the multi-rank tests instead slowed those by more than the
+# installs take.)
 legs=$(mktemp -d)
 # (.venv-latest is set up: no second editable install beside the base one's)
 ( rc=0; on_newest tests/unit "$@" > "$legs/newest.log" 2>&1 || rc=$?
   echo "$rc" > "$legs/newest.rc" ) &
-( rc=0; bash scripts/setup.sh > "$legs/base.log" 2>&1 || rc=$?; touch "$legs/base.ready"
+( rc=0; bash scripts/setup.sh > "$legs/base.log" 2>&1 || rc=$?
   [ "$rc" = 0 ] && { on_base "${BASE_LEG[@]}" "$@" >> "$legs/base.log" 2>&1 || rc=$?; }
   echo "$rc" > "$legs/base.rc" ) &
-( until [ -e "$legs/base.ready" ]; do sleep 1; done
-  rc=0; on_npu_torch "${NPU_TORCH_LEG[@]}" "$@" > "$legs/npu.log" 2>&1 || rc=$?; echo "$rc" > "$legs/npu.rc" ) &
+( rc=0; on_npu_torch "${NPU_TORCH_LEG[@]}" "$@" > "$legs/npu.log" 2>&1 || rc=$?; echo "$rc" > "$legs/npu.rc" ) &
 wait
 echo "== the newest supported megatron-core: tests/unit =="
 cat "$legs/newest.log"
