@@ -20,6 +20,7 @@ from mm_adaptor.harness.runner.arguments import LayoutError, finalize_args, pars
 BUILT_IN = sorted(features.built_in_features(), key=lambda f: f.name)
 REFUSALS = serving.refusals_here()
 # The optimizer-state features act on the optimizer, not on layers: tests/latest/test_optimizer_features_on_latest.py
+# (reuse) and tests/distributed/test_optimizer_state_features.py (swap, virtual) check them on this release
 OPTIMIZER_STATE = {"reuse-fp32-param", "swap-optimizer", "virtual-optimizer"}
 SERVING = [f for f in BUILT_IN if not REFUSALS[f.name] and f.name not in OPTIMIZER_STATE]
 

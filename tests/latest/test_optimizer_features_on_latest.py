@@ -1,9 +1,10 @@
-"""--reuse-fp32-param, --swap-optimizer and --virtual-optimizer on the installed megatron-core (0.17 or newer):
-bit for bit against unpatched Megatron with each one's mechanism seen at work (main-parameter bytes halved,
-state in host memory, moments mapped), in the optimizers megatron builds there (a ChainedOptimizer around the
-distributed optimizer or Float16OptimizerWithFloat16Params); checkpoints saved with each load without it and the
-other way round; the broken variants fail; and the update megatron-core 0.19's ChainedOptimizer skips above
-grad_norm_skip_threshold leaves the swapped main parameters in host memory."""
+"""--reuse-fp32-param on the installed megatron-core (0.17 or newer): bit for bit against unpatched Megatron with its
+mechanism seen at work (main-parameter bytes halved), in the optimizers megatron builds there (a ChainedOptimizer
+around the distributed optimizer or Float16OptimizerWithFloat16Params); checkpoints saved with it load without it
+and the other way round; the broken variant fails; and the update megatron-core 0.19's ChainedOptimizer skips above
+grad_norm_skip_threshold leaves the swapped main parameters in host memory. --swap-optimizer's and
+--virtual-optimizer's checks, broken variants and checkpoints run on this release in
+tests/distributed/test_optimizer_state_features.py (the newest leg runs tests/distributed)."""
 
 import sys
 from pathlib import Path
@@ -28,10 +29,6 @@ def check(flags, layout, extra):
     return result
 
 
-def residences(memory, kind):
-    return {r: memory["by_residence"][r][kind] for r in ("device", "host")}
-
-
 @pytest.mark.parametrize("layout,extra", [("tp2", ["--bf16"]),
                                           ("dp2-distopt", ["--bf16", "--overlap-param-gather"])],
                          ids=["tp2-float16-optimizer", "dp2-distributed-optimizer"])
@@ -47,47 +44,17 @@ def test_reuse_fp32_param_halves_the_main_parameters(layout, extra):
         assert on[kind] == off[kind], kind
 
 
-@pytest.mark.parametrize("extra", [["--bf16"], []], ids=["bf16", "fp32"])
-def test_swap_optimizer_keeps_the_shards_state_in_host_memory(extra):
-    result = check(["--swap-optimizer"], "dp2-distopt", extra)
-    off, on = result.memory_off, result.memory_on
-    kinds = ["optimizer_moment_bytes"] + (["optimizer_main_param_bytes"] if extra else [])
-    for kind in kinds:
-        assert residences(on, kind) == {"device": 0, "host": off[kind]}, kind
-    stats = on["feature_statistics"]["swap-optimizer"]
-    assert stats["steps"] == ITERS
-    assert stats["bytes_to_host"] == ITERS * sum(off[kind] for kind in kinds)
-
-
-@pytest.mark.parametrize("layout,extra", [("tp2", []), ("dp2-distopt", ["--bf16"])],
-                         ids=["tp2-fp32-optimizer", "dp2-distributed-optimizer-bf16"])
-def test_virtual_optimizer_maps_every_moment(layout, extra):
-    result = check(["--virtual-optimizer"], layout, extra)
-    off, on = result.memory_off, result.memory_on
-    assert residences(on, "optimizer_moment_bytes") == {"device": 0, "host": off["optimizer_moment_bytes"]}
-    stats = on["feature_statistics"]["virtual-optimizer"]
-    assert stats["moment_bytes_in_host_memory"] == off["optimizer_moment_bytes"] and stats["steps"] == ITERS
-
-
-@pytest.mark.parametrize("module,flag,layout,extra", [
-    ("broken_reuse_fp32_param_feature", "--use-test-reuse-fp32-param-losing-low-bits", "tp2", ["--bf16"]),
-    ("broken_swap_optimizer_feature", "--use-test-swap-optimizer-reusing-buffers", "dp2-distopt", ["--bf16"]),
-    ("broken_virtual_optimizer_feature", "--use-test-virtual-optimizer-losing-moments", "tp2", [])],
-    ids=["reuse-losing-low-bits", "swap-reusing-a-host-buffer-too-early", "virtual-losing-the-moments"])
-def test_a_wrong_variant_fails(module, flag, layout, extra):
-    """The unpatched runs are the checks' above (cached)."""
-    with harness.extra_feature_module(module):
-        result = harness.compare([flag], layout=layout, extra_args=extra, iters=ITERS)
+def test_a_wrong_variant_fails():
+    """The unpatched run is the check's above (cached)."""
+    with harness.extra_feature_module("broken_reuse_fp32_param_feature"):
+        result = harness.compare(["--use-test-reuse-fp32-param-losing-low-bits"], layout="tp2", extra_args=["--bf16"],
+                                 iters=ITERS)
     assert not result.passed
     assert result.params.failures
 
 
-@pytest.mark.parametrize("flags,layout", [(["--reuse-fp32-param"], "dp2-distopt"),
-                                          (["--swap-optimizer"], "dp2-distopt"),
-                                          (["--virtual-optimizer"], "tp2")],
-                         ids=["reuse-fp32-param", "swap-optimizer", "virtual-optimizer"])
-def test_checkpoints_load_both_ways(tmp_path, flags, layout):
-    assert_checkpoints_load_both_ways(tmp_path, layout, flags, ["--bf16"])
+def test_checkpoints_load_both_ways(tmp_path):
+    assert_checkpoints_load_both_ways(tmp_path, "dp2-distopt", ["--reuse-fp32-param"], ["--bf16"])
 
 
 def test_swapped_main_parameters_stay_in_host_memory_when_the_chained_optimizer_skips_the_update(
