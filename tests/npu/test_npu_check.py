@@ -5,14 +5,12 @@ fake's numerics are the CPU's, so this checks the NPU code paths and the backend
 kernels."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from mm_adaptor.core import features
-from tests.npu.fake import env
+from tests.npu.fake import run_python
 
 pytestmark = pytest.mark.npu
 
@@ -71,24 +69,23 @@ def test_every_feature_is_checked_on_the_fake_npu_or_says_why_not():
 
 
 @pytest.fixture(scope="module")
-def checks(tmp_path_factory):
-    results = {}
-    root = Path(__file__).resolve().parents[2]
-    for name, (feature_args, base_args) in RUNS.items():
-        probe = tmp_path_factory.mktemp(f"probe-{name}")
-        done = subprocess.run(
-            [sys.executable, "-m", "mm_adaptor.cli", "check", "--iters", "3", *feature_args, *base_args],
-            capture_output=True, text=True, cwd=root, timeout=900,
-            env=env(2, MM_ADAPTOR_DEVICE="npu", MM_ADAPTOR_BASELINE_CACHE="off", MM_ADAPTOR_FAKE_NPU_PROBE=probe))
-        probes = {p.name: json.loads(p.read_text()) for p in sorted(probe.glob("rank*.json"))}
-        results[name] = (done, probes)
-    return results
+def checks():
+    """Every run's check in one interpreter (tests/npu/check_runs.py): a check command of its own would import
+    torch, megatron and the fake torch_npu again, about 8 s each."""
+    script = Path(__file__).with_name("check_runs.py")
+    root = str(Path(__file__).parents[2])
+    argvs = [["--iters", "3", *feature_args, *base_args] for feature_args, base_args in RUNS.values()]
+    source = (f"import runpy, sys; sys.argv = [{str(script)!r}, {json.dumps(json.dumps(argvs))}]; "
+              f"sys.path.insert(0, {root!r}); runpy.run_path(sys.argv[0], run_name='__main__')")
+    results = run_python(source, timeout=1800, MM_ADAPTOR_DEVICE="npu", MM_ADAPTOR_BASELINE_CACHE="off")
+    return dict(zip(RUNS, results))
 
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_check_passes_on_the_fake_npu_with_the_npu_kernels(checks, name):
-    done, probes = checks[name]
-    assert done.returncode == 0 and "verdict: PASS" in done.stdout, (done.stdout[-4000:], done.stderr[-4000:])
+    done = checks[name]
+    stdout, probes = done["stdout"], done["probes"]
+    assert done["status"] == 0 and "verdict: PASS" in stdout, (stdout[-4000:], done["stderr"][-4000:])
     # the probes are the run with the features (check trains it last)
     assert sorted(probes) == ["rank0.json", "rank1.json"]
     for probe in probes.values():
@@ -96,10 +93,10 @@ def test_check_passes_on_the_fake_npu_with_the_npu_kernels(checks, name):
         for kernel in KERNELS[name]:
             assert probe["npu_ops"].get(kernel, 0) > 0, (kernel, probe["npu_ops"])
     assert any(p["hccl_calls"] for p in probes.values())
-    if "tolerance: bit-for-bit" not in done.stdout:  # inexact: the NPU is not bitwise reproducible run to run
+    if "tolerance: bit-for-bit" not in stdout:  # inexact: the NPU is not bitwise reproducible run to run
         assert "noise draws: matrix products in halves, matrix products in thirds, an unperturbed repeat (npu is " \
-               "not bitwise reproducible)" in done.stdout, done.stdout[-4000:]
-        assert "device calibration: none for a layout given by parallel-size flags" in done.stdout, done.stdout[-4000:]
+               "not bitwise reproducible)" in stdout, stdout[-4000:]
+        assert "device calibration: none for a layout given by parallel-size flags" in stdout, stdout[-4000:]
 
 
 def test_verification_records_of_the_npu_say_what_this_module_ran():
