@@ -5,6 +5,7 @@ iteration two)."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -35,12 +36,13 @@ class Run:
         return [m.group(1) for m in re.finditer(rf"\| {re.escape(name)}: ([^|]+?) \|", lines)]
 
 
-def train(argv: list[str]) -> Run:
-    """mm_adaptor.train.main(argv) here, its and its ranks' output captured."""
-    from mm_adaptor.train import main
-
+@contextlib.contextmanager
+def captured_output():
+    """What this process and its children write to file descriptors 1 and 2 meanwhile: the yielded list holds
+    [out, err] once the block is done."""
     sys.stdout.flush()
     sys.stderr.flush()
+    texts: list[str] = []
     captured = [tempfile.TemporaryFile(mode="w+") for _ in range(2)]
     saved, streams = [os.dup(1), os.dup(2)], (sys.stdout, sys.stderr)
     try:
@@ -49,20 +51,30 @@ def train(argv: list[str]) -> Run:
         # Python's own writes too (a test session replaces sys.stdout and sys.stderr with its capture)
         sys.stdout, sys.stderr = (open(fd, "w", closefd=False) for fd in (1, 2))
         try:
-            status = main(argv)
-        except SystemExit as exc:  # the parser's one-line refusal
-            status = exc.code
-        sys.stdout.flush()
-        sys.stderr.flush()
+            yield texts
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
     finally:
         sys.stdout, sys.stderr = streams
         for fd, copy in zip((1, 2), saved):
             os.dup2(copy, fd)
             os.close(copy)
-    out, err = [(file.seek(0), file.read())[1] for file in captured]
-    for file in captured:
-        file.close()
-    return Run(status, out, err)
+        texts.extend((file.seek(0), file.read())[1] for file in captured)
+        for file in captured:
+            file.close()
+
+
+def train(argv: list[str]) -> Run:
+    """mm_adaptor.train.main(argv) here, its and its ranks' output captured."""
+    from mm_adaptor.train import main
+
+    with captured_output() as texts:
+        try:
+            status = main(argv)
+        except SystemExit as exc:  # the parser's one-line refusal
+            status = exc.code
+    return Run(status, *texts)
 
 
 def scalars(directory, tag: str = "lm loss") -> dict[int, float]:

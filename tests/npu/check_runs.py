@@ -12,27 +12,16 @@ import tempfile
 
 def one(argv: list[str]) -> dict:
     from mm_adaptor.cli import main
+    from tests.trainer_runs import captured_output
 
     probe = tempfile.mkdtemp(prefix="fake-npu-probe-")
     os.environ["MM_ADAPTOR_FAKE_NPU_PROBE"] = probe  # each rank gets the launcher's environment when it starts
-    captured = [tempfile.TemporaryFile(mode="w+") for _ in range(2)]
-    saved, streams = [os.dup(1), os.dup(2)], (sys.stdout, sys.stderr)
-    try:
-        for fd, file in zip((1, 2), captured):
-            os.dup2(file.fileno(), fd)
-        sys.stdout, sys.stderr = (open(fd, "w", closefd=False) for fd in (1, 2))
+    with captured_output() as texts:
         try:
             status = main(["check", *argv])
         except SystemExit as exc:
             status = exc.code
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        sys.stdout, sys.stderr = streams
-        for fd, copy in zip((1, 2), saved):
-            os.dup2(copy, fd)
-            os.close(copy)
-    out, err = [(file.seek(0), file.read())[1] for file in captured]
+    out, err = texts
     probes = {}
     for name in sorted(os.listdir(probe)):
         if name.startswith("rank") and name.endswith(".json"):
