@@ -92,13 +92,16 @@ fi
 # test_feature_pairs.py trains every feature with every other it accepts, a superset (60 s less).
 main=$(mktemp -d)
 legs=$(mktemp -d)
-# The two older legs (each installs its environment, then tests) start as soon as either process above finishes,
-# beside the other's last minutes; the newest leg's tests/unit once both have. Whichever of the two finishes
-# first, no core waits for the other. Their editable installs of this checkout take turns (setup.sh); the
-# npu-torch one's torch download runs beside the base leg's set-up and tests. (Installing them during the
-# multi-rank tests' first half slowed those by more than the installs take.)
-older_legs() {
+# The three last legs (the newest one's tests/unit; the two older ones, which install their environments first)
+# start as soon as either process above finishes, beside the other's last minutes: whichever finishes first, no
+# core waits for the other, and the legs end together. The older legs' editable installs of this checkout take
+# turns (setup.sh); the npu-torch one's torch download runs beside the base leg's set-up and tests. (Installing
+# them during the multi-rank tests' first half slowed those by more than the installs take.)
+last_legs() {
   mkdir "$legs/started" 2>/dev/null || return 0  # the first process to finish starts them
+  # (.venv-latest is set up: no second editable install beside the older ones')
+  ( rc=0; on_newest tests/unit "$@" > "$legs/newest.log" 2>&1 || rc=$?
+    echo "$rc" > "$legs/newest.rc" ) &
   ( rc=0; bash scripts/setup.sh > "$legs/base.log" 2>&1 || rc=$?
     [ "$rc" = 0 ] && { on_base "${BASE_LEG[@]}" "$@" >> "$legs/base.log" 2>&1 || rc=$?; }
     echo "$rc" > "$legs/base.rc" ) &
@@ -108,23 +111,20 @@ older_legs() {
 ( rc=0; on_newest tests/ops tests/distributed \
     --deselect tests/distributed/test_every_feature_on_installed_megatron.py::test_serving_features_pass_check_here \
     "$@" > "$main/multi-rank.log" 2>&1 || rc=$?
-  echo "$rc" > "$main/multi-rank.rc"; older_legs "$@" ) &
+  echo "$rc" > "$main/multi-rank.rc"; last_legs "$@" ) &
 # (no path: the second waits for the first to finish)
 library=$("$LATEST_PYTHON" -c "from mm_adaptor.ops import builder; print(builder.library_path('cpu'))" 2>/dev/null) ||
   library=""
 ( until [ -e "$main/multi-rank.rc" ] || [ -e "$library" ]; do sleep 2; done
   rc=0; on_newest tests --ignore=tests/unit --ignore=tests/ops --ignore=tests/distributed "$@" \
     > "$main/others.log" 2>&1 || rc=$?
-  echo "$rc" > "$main/others.rc"; older_legs "$@" ) &
+  echo "$rc" > "$main/others.rc"; last_legs "$@" ) &
 until [ -e "$main/multi-rank.rc" ] && [ -e "$main/others.rc" ]; do sleep 2; done
 echo "-- tests/ops and tests/distributed --"
 cat "$main/multi-rank.log"
 echo "-- the other folders but tests/unit --"
 cat "$main/others.log"
 for rc in "$main"/*.rc; do [ "$(cat "$rc")" = 0 ] || status=$(cat "$rc"); done
-# (.venv-latest is set up: no second editable install beside the older ones')
-( rc=0; on_newest tests/unit "$@" > "$legs/newest.log" 2>&1 || rc=$?
-  echo "$rc" > "$legs/newest.rc" ) &
 wait
 echo "== the newest supported megatron-core: tests/unit =="
 cat "$legs/newest.log"
