@@ -62,13 +62,9 @@ def refuse_known_megatron_bugs(megatron_args) -> None:
     from mm_adaptor.core.errors import ConfigurationError
     from mm_adaptor.versions import known_bugs
 
-    if getattr(megatron_args, "num_experts", None):
-        problem = known_bugs.expert_gradient_problem(
-            getattr(megatron_args, "tensor_model_parallel_size", 1),
-            getattr(megatron_args, "expert_model_parallel_size", 1),
-            getattr(megatron_args, "expert_tensor_parallel_size", None))
-        if problem:
-            raise ConfigurationError(problem)
+    problem = known_bugs.layout_problem(megatron_args)
+    if problem:
+        raise ConfigurationError(problem)
 
 
 def _check_device_serves(megatron_args) -> None:

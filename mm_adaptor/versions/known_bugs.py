@@ -3,6 +3,8 @@ the release with the fix. The adaptor is verified against unpatched megatron, so
 
 from __future__ import annotations
 
+from packaging.version import Version
+
 from mm_adaptor.versions import contracts
 
 # megatron-core < 0.19 marks expert weights for the expert process groups only under expert parallelism
@@ -18,7 +20,7 @@ def expert_gradient_problem(tp: int, ep: int, etp: int | None, version: str | No
     if etp is None or etp == tp or ep > 1:
         return None
     version = version or contracts.installed_version()
-    if version is None or _release(version) >= EXPERT_GROUPS_FIXED_IN:
+    if version is None or Version(version).release[:2] >= EXPERT_GROUPS_FIXED_IN:
         return None
     return (f"megatron-core {version} does not sum the experts' gradients over the tensor-parallel ranks when the "
             f"expert tensor-parallel size ({etp}) differs from --tensor-model-parallel-size {tp} under expert-"
@@ -26,6 +28,11 @@ def expert_gradient_problem(tp: int, ep: int, etp: int | None, version: str | No
             f"use --expert-model-parallel-size > 1, --expert-tensor-parallel-size {tp}, or megatron-core >= 0.19")
 
 
-def _release(version: str) -> tuple[int, int]:
-    major, minor = version.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+def layout_problem(args) -> str | None:
+    """The refusal for a parsed namespace (Megatron-LM's after its validation, or the harness's), or None: Megatron's
+    defaults for the sizes it lacks."""
+    if not getattr(args, "num_experts", None):
+        return None
+    return expert_gradient_problem(getattr(args, "tensor_model_parallel_size", 1),
+                                   getattr(args, "expert_model_parallel_size", 1),
+                                   getattr(args, "expert_tensor_parallel_size", None))

@@ -27,13 +27,10 @@ __all__ = ["run", "parse_args", "build_parser", "finalize_args", "LayoutError", 
 def check_args(args: argparse.Namespace, world_size: int, *, check_devices: bool = True) -> None:
     """Raise LayoutError (one line per problem) or FeatureConfigError before any rank starts: ranges and layout,
     then the features, then the directories (only then is --save created and probed)."""
-    finalized = finalize_args(argparse.Namespace(**vars(args)), world_size)
-    if finalized.num_experts:  # in the launcher only: a rank's own finalize_args leaves it out
-        problem = known_bugs.expert_gradient_problem(finalized.tensor_model_parallel_size,
-                                                     finalized.expert_model_parallel_size,
-                                                     finalized.expert_tensor_parallel_size)
-        if problem:
-            raise LayoutError(problem)
+    # the installed megatron's known bugs in the launcher only: a rank's own finalize_args leaves them out
+    problem = known_bugs.layout_problem(finalize_args(argparse.Namespace(**vars(args)), world_size))
+    if problem:
+        raise LayoutError(problem)
     families.of(args).shape_args(args)  # the features check the model's shape (RMSNorm, SwiGLU, rope)
     options = features.fill_defaults(args)
     features.validate(options, features.serving(options, features.enabled_features(options)))
