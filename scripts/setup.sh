@@ -61,19 +61,8 @@ torch_ok="import sys, torch; s = sys.argv[1]; sys.exit('==' in s and torch.__ver
 "$VENV/bin/python" -c "$torch_ok" "$TORCH_SPEC" 2>/dev/null || "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
 # the vlm extra allows transformers 4.57 to 5.x: each leg pins the major it exercises
 case ",$EXTRAS," in *,vlm,*) PINNED=("$TRANSFORMERS_SPEC") ;; *) PINNED=() ;; esac
-# The dependencies, then the editable install, which writes mm_adaptor.egg-info into this checkout: venvs set up at
-# once (scripts/test.sh) download side by side and take turns only for the editable step (a few seconds). Python
-# 3.10 has no tomllib: there it all installs in the locked step.
-mapfile -t REQUIREMENTS < <("$VENV/bin/python" - "$EXTRAS" 2>/dev/null <<'PY'
-import sys, tomllib
-with open("pyproject.toml", "rb") as f:
-    project = tomllib.load(f)["project"]
-extras = project["optional-dependencies"]
-print("\n".join([*project["dependencies"], *(r for extra in sys.argv[1].split(",") for r in extras[extra])]))
-PY
-)
-[ ${#REQUIREMENTS[@]} = 0 ] ||
-  "$VENV/bin/python" -m pip install -q "$MEGATRON_SPEC" ${PINNED[@]+"${PINNED[@]}"} "${REQUIREMENTS[@]}"
+# The editable install writes mm_adaptor.egg-info into this checkout: venvs set up at once take turns here (their
+# torch downloads, above, overlap)
 exec 9>"${TMPDIR:-/tmp}/mm-adaptor-setup-$(printf %s "$PWD" | cksum | cut -d' ' -f1).lock"
 command -v flock >/dev/null && flock 9
 "$VENV/bin/python" -m pip install -q "$MEGATRON_SPEC" ${PINNED[@]+"${PINNED[@]}"} -e ".[$EXTRAS]"

@@ -40,12 +40,9 @@ NPU_TORCH_LEG=(tests/npu/test_npu_training.py tests/npu/test_npu_process_groups.
                tests/npu/test_fake_npu_ops.py tests/npu/test_compile_stance.py tests/npu/test_npu_fidelity.py
                tests/npu/test_global_tokens.py)
 
-base_tests() {
-  MM_ADAPTOR_TEST_LEG=0.16.1 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
-}
 on_base() {
   bash scripts/setup.sh >/dev/null
-  base_tests "$@"
+  MM_ADAPTOR_TEST_LEG=0.16.1 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 }
 
 LATEST_PYTHON=${MM_ADAPTOR_LATEST_VENV:-.venv-latest}/bin/python
@@ -68,21 +65,11 @@ time_guard() {
   python3 scripts/time_budget.py "$(( $(date +%s) - started ))" "$MM_ADAPTOR_TEST_TIMES"
 }
 
-legs=$(mktemp -d)
-# .venv (the 0.16.1 leg) sets up beside .venv-latest: pip keeps one core busy, and the two take turns only for the
-# editable install's few seconds (setup.sh)
-base_setup_done() { until [ -e "$legs/base-setup.rc" ]; do sleep 2; done; return "$(cat "$legs/base-setup.rc")"; }
-if [ "$selected" = no ]; then
-  ( rc=0; bash scripts/setup.sh > "$legs/base.log" 2>&1 || rc=$?; echo "$rc" > "$legs/base-setup.rc" ) &
-else
-  echo 0 > "$legs/base-setup.rc"
-fi
 latest=0
 bash scripts/setup.sh latest || latest=$?
 if [ "$latest" = 2 ]; then
   if [ "${MM_ADAPTOR_REQUIRE_LATEST:-0}" = 1 ]; then exit 1; fi
   echo "== no Python >= 3.12 for the newest megatron-core: the suite runs on megatron-core 0.16.1 alone =="
-  base_setup_done || true
   on_base "$@"
   exit
 fi
@@ -104,18 +91,19 @@ fi
 # The grouped feature checks of test_every_feature_on_installed_megatron.py run on 0.16.1 (their purpose); here
 # test_feature_pairs.py trains every feature with every other it accepts, a superset (60 s less).
 main=$(mktemp -d)
+legs=$(mktemp -d)
 # The three last legs (the newest one's tests/unit; the two older ones, which install their environments first)
 # start as soon as either process above finishes, beside the other's last minutes: whichever finishes first, no
-# core waits for the other, and the legs end together. .venv was set up at the start (above); the npu-torch leg's
-# torch download runs beside the newest and base legs' tests. (Installing it during the multi-rank tests' first half
-# slowed those by more than the install takes.)
+# core waits for the other, and the legs end together. The older legs' editable installs of this checkout take
+# turns (setup.sh); the npu-torch one's torch download runs beside the base leg's set-up and tests. (Installing
+# them during the multi-rank tests' first half slowed those by more than the installs take.)
 last_legs() {
   mkdir "$legs/started" 2>/dev/null || return 0  # the first process to finish starts them
   # (.venv-latest is set up: no second editable install beside the older ones')
   ( rc=0; on_newest tests/unit "$@" > "$legs/newest.log" 2>&1 || rc=$?
     echo "$rc" > "$legs/newest.rc" ) &
-  ( rc=0; base_setup_done || rc=$?
-    [ "$rc" = 0 ] && { base_tests "${BASE_LEG[@]}" "$@" >> "$legs/base.log" 2>&1 || rc=$?; }
+  ( rc=0; bash scripts/setup.sh > "$legs/base.log" 2>&1 || rc=$?
+    [ "$rc" = 0 ] && { on_base "${BASE_LEG[@]}" "$@" >> "$legs/base.log" 2>&1 || rc=$?; }
     echo "$rc" > "$legs/base.rc" ) &
   ( rc=0; on_npu_torch "${NPU_TORCH_LEG[@]}" "$@" > "$legs/npu.log" 2>&1 || rc=$?; echo "$rc" > "$legs/npu.rc" ) &
   wait
