@@ -6,10 +6,13 @@ arguments. Nothing is read from sys.argv here. An uncaught configuration error o
 one line on rank 0 instead of a traceback from every rank.
 """
 
-from mm_adaptor import devices
-from mm_adaptor.core.errors import install_excepthook
-from mm_adaptor.megatron_lm import register_hooks
+from mm_adaptor.core.imports import without_gc
 
-install_excepthook()
-backend = devices.install()
-register_hooks()
+with without_gc():  # torch's and megatron-core's imports (devices.install imports them)
+    from mm_adaptor import devices
+    from mm_adaptor.core.errors import install_excepthook
+    from mm_adaptor.megatron_lm import register_hooks
+
+    install_excepthook()
+    backend = devices.install()
+    register_hooks()

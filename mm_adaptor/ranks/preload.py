@@ -7,10 +7,12 @@ are applied in the rank, after the fork."""
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import os
 import sys
 
+from mm_adaptor.core.imports import without_gc
 from mm_adaptor.ranks.warning_digest import forwarding
 
 MODULES = (
@@ -82,7 +84,11 @@ def _imported_by_the_server() -> bool:
     return False
 
 
-_preload()
+with without_gc():
+    _preload()
 EXITS_WITHOUT_TEARDOWN = _imported_by_the_server()
 if EXITS_WITHOUT_TEARDOWN:
     atexit.register(_server_exits_without_teardown)
+    # What the server imported lives as long as each rank: the ranks' collections leave it alone (no pass over a
+    # million objects, no copy of their pages into the rank)
+    gc.freeze()

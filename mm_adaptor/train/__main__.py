@@ -1,6 +1,5 @@
 import sys
 
-from mm_adaptor.cli import main
-from mm_adaptor.ranks.process import exit_skipping_teardown
+from mm_adaptor.cli import run
 
-exit_skipping_teardown(main(["train", *sys.argv[1:]]))
+run(["train", *sys.argv[1:]])

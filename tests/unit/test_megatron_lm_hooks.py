@@ -40,8 +40,12 @@ def _print_args(title, args):
 '''
 
 PRELUDE = '''
+import gc
 import sys
+COLLECTIONS = []                 # the collector's passes (core.imports: none while torch and megatron-core import)
+gc.callbacks.append(lambda phase, info: phase == "start" and COLLECTIONS.append(info["generation"]))
 import mm_adaptor.megatron_adaptor          # the one line, imported BEFORE megatron.training
+COLLECTIONS_WHILE_IMPORTING = list(COLLECTIONS)
 sys.path.insert(0, {stub!r})   # megatron is a namespace package: the stub joins it, ahead of the megatron.training
                                   # that megatron-core wheels ship from 0.17 on
 from megatron.training.arguments import parse_args, validate_args
@@ -68,6 +72,12 @@ def test_flags_reach_megatron_parser_and_features_apply_after_validation(tmp_pat
     result = run_against_stub(tmp_path, '''
         from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as V
         original = V.__dict__["calculate_predicted_logits"]
+
+        # (hundreds of passes, seven of them full, with the collector on; a few young ones before it goes off)
+        assert "megatron.core" in sys.modules and 2 not in COLLECTIONS_WHILE_IMPORTING, COLLECTIONS_WHILE_IMPORTING
+        assert len(COLLECTIONS_WHILE_IMPORTING) < 5, COLLECTIONS_WHILE_IMPORTING
+        kept = [[] for _ in range(20_000)]  # ... and the collector runs again after the import
+        assert len(COLLECTIONS) > len(COLLECTIONS_WHILE_IMPORTING), "the one-line import left the collector off"
 
         args = parse_args(["--tensor-model-parallel-size", "2"])
         assert args.optimize_vocab_parallel_ce is False

@@ -28,6 +28,7 @@ def _record(path):
         "marker": os.environ.get("MM_ADAPTOR_TEST_MARKER"),
         "torch_marker": os.environ.get("TORCH_TEST_MARKER"),
         "whole_lines": sys.stdout.line_buffering and not sys.stdout.write_through,
+        "frozen": __import__("gc").get_freeze_count(), "collects": __import__("gc").isenabled(),
     }
     if os.environ["RANK"] == "0":
         with open(path, "w") as f:
@@ -62,6 +63,8 @@ def test_ranks_fork_from_the_preloaded_server_and_nothing_leaks_between_runs(tmp
     assert state["parent"] != os.getpid(), "a forked rank is the server's child, not the launcher's"
     assert state["whole_lines"], "the rank's stdout may split a line between writes"
     assert state["server_exits_without_teardown"] is True
+    # the server's imports are frozen out of the rank's collections (core.imports), and the rank collects
+    assert state["frozen"] > 100_000 and state["collects"], state
 
     seen = tmp_path / "seen"
     for _ in range(2):
@@ -74,8 +77,9 @@ def test_another_process_importing_the_server_s_preload_keeps_its_exit_status():
     must not exit 0 whatever happened."""
     import subprocess
 
-    done = subprocess.run([sys.executable, "-c", "import mm_adaptor.ranks.preload as p; assert not "
-                           "p.EXITS_WITHOUT_TEARDOWN; raise SystemExit(3)"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", "import gc, mm_adaptor.ranks.preload as p; assert not "
+                           "p.EXITS_WITHOUT_TEARDOWN and gc.isenabled() and gc.get_freeze_count() < 100_000; "
+                           "raise SystemExit(3)"], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 3, done.stderr[-2000:]
 
