@@ -1,4 +1,5 @@
 import fcntl
+import gc
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import pytest
 from gloo_rank import one_gloo_rank
 
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
+gc.disable()  # until the test modules are imported (pytest_collection_finish)
 # One unpatched baseline per configuration for the whole session (the harness caches it by arguments).
 _own_baseline_cache = "MM_ADAPTOR_BASELINE_CACHE" not in os.environ
 if _own_baseline_cache:
@@ -30,6 +32,13 @@ def pytest_collection_modifyitems(config, items):
     """The builder's concurrency test first: on an empty cache its one build is the one every later test loads."""
     first = [item for item in items if item.name == "test_concurrent_processes_build_once_and_all_load"]
     items[:] = first + [item for item in items if item not in first]
+
+
+def pytest_collection_finish(session):
+    """What the test modules imported (torch, megatron-core, transformers) lives as long as the session: out of the
+    collector's passes, which ran over it again and again (mm_adaptor.core.imports)."""
+    gc.freeze()
+    gc.enable()
 
 
 def pytest_runtest_logreport(report):
