@@ -18,6 +18,9 @@ from mm_adaptor.ranks import launcher
 from mm_adaptor.ranks import process
 from mm_adaptor.ranks.launcher import launch
 
+# more objects frozen than this: the rank server's imports (core.imports); a plain process has a few hundred frozen
+SERVER_IMPORTS_FROZEN = 100_000
+
 
 def _record(path):
     state = {
@@ -64,7 +67,7 @@ def test_ranks_fork_from_the_preloaded_server_and_nothing_leaks_between_runs(tmp
     assert state["whole_lines"], "the rank's stdout may split a line between writes"
     assert state["server_exits_without_teardown"] is True
     # the server's imports are frozen out of the rank's collections (core.imports), and the rank collects
-    assert state["frozen"] > 100_000 and state["collects"], state
+    assert state["frozen"] > SERVER_IMPORTS_FROZEN and state["collects"], state
 
     seen = tmp_path / "seen"
     for _ in range(2):
@@ -78,9 +81,9 @@ def test_another_process_importing_the_server_s_preload_keeps_its_exit_status():
     import subprocess
 
     done = subprocess.run([sys.executable, "-c", "import gc, mm_adaptor.ranks.preload as p; assert not "
-                           "p.EXITS_WITHOUT_TEARDOWN and gc.isenabled() and gc.get_freeze_count() < 100_000; "
-                           "raise SystemExit(3)"], capture_output=True, text=True,
-                          timeout=300)
+                           "p.EXITS_WITHOUT_TEARDOWN and gc.isenabled() and "
+                           f"gc.get_freeze_count() < {SERVER_IMPORTS_FROZEN}; raise SystemExit(3)"],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 3, done.stderr[-2000:]
 
 
