@@ -86,8 +86,10 @@ if [ "$selected" = yes ]; then
 fi
 # The rest of the suite in two pytest processes side by side: alone, one left about a quarter of CI's two cores
 # idle (vmstat: process starts, rendezvous, checkpoint writes, signal waits). One takes tests/ops and
-# tests/distributed, the other every other folder; the second starts once the first's opening test built the
-# native CPU ops into the suite's cache (that test builds them from four processes at once and counts one build).
+# tests/distributed, the other every other folder; the second starts once the first's opening test is building the
+# native CPU ops into the suite's cache (that test builds them from four processes at once and counts one build):
+# their lock held, the second's first use of them waits for that build and loads it. (Waiting for the library
+# itself left one core idle for the build's minute.)
 # The grouped feature checks of test_every_feature_on_installed_megatron.py run on 0.16.1 (their purpose); here
 # test_feature_pairs.py trains every feature with every other it accepts, a superset (60 s less).
 main=$(mktemp -d)
@@ -115,7 +117,8 @@ last_legs() {
 # (no path: the second waits for the first to finish)
 library=$("$LATEST_PYTHON" -c "from mm_adaptor.ops import builder; print(builder.library_path('cpu'))" 2>/dev/null) ||
   library=""
-( until [ -e "$main/multi-rank.rc" ] || [ -e "$library" ]; do sleep 2; done
+building() { [ -e "${library%/*}.lock" ] && command -v flock >/dev/null && ! flock -n "${library%/*}.lock" true; }
+( until [ -e "$main/multi-rank.rc" ] || [ -e "$library" ] || building; do sleep 1; done
   rc=0; on_newest tests --ignore=tests/unit --ignore=tests/ops --ignore=tests/distributed "$@" \
     > "$main/others.log" 2>&1 || rc=$?
   echo "$rc" > "$main/others.rc"; last_legs "$@" ) &
