@@ -15,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # No wheel cache: the two CUDA builds of torch would leave GBs of wheels in the cache beside their venvs, and a clean CI
-# machine ran out of disk installing the third venv (2026-11-29). MM_ADAPTOR_PIP_CACHE=1 keeps pip's cache.
+# machine ran out of disk installing the third venv (2026-11-29). MM_ADAPTOR_PIP_CACHE=1 keeps pip's and uv's caches.
 [ "${MM_ADAPTOR_PIP_CACHE:-0}" = 1 ] || export PIP_NO_CACHE_DIR=1  # pip reads any value, even 0, as no cache
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 # lora (peft, and accelerate with it) stays out of the NPU leg: accelerate imports torch_npu wherever it finds one,
@@ -55,23 +55,42 @@ fi
 start=$(date +%s)
 created=no
 [ -x "$VENV/bin/python" ] || { "$PYTHON" -m venv "$VENV"; created=yes; }
+# The installs run uv (the registry's): it downloads in parallel and compiles the bytecode on every core; torch 2.13
+# with its CUDA libraries took pip 56 s and uv 29 s here, from empty caches. uv does not read pip's configuration:
+# the index, extra indexes, find-links and constraints pip would use (`pip config list`) are passed on, and every
+# index is searched for the best match, as pip does. MM_ADAPTOR_INSTALLER=pip installs with pip instead.
+if [ "${MM_ADAPTOR_INSTALLER:-uv}" = uv ]; then
+  [ -x "$VENV/bin/uv" ] || "$VENV/bin/python" -m pip install -q "${UV_SPEC:-uv==0.13.9}"
+  mapfile -t UV_OPTIONS < <("$VENV/bin/python" scripts/uv_options.py)
+  install() {
+    # no cache kept: uv unpacks into one inside the venv, on its disk, and hard-links the files in from there
+    local cache=(--cache-dir "$VENV/.uv-cache") status=0
+    [ "${MM_ADAPTOR_PIP_CACHE:-0}" = 1 ] && cache=()
+    "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --compile-bytecode ${cache[@]+"${cache[@]}"} \
+      ${UV_OPTIONS[@]+"${UV_OPTIONS[@]}"} "$@" || status=$?
+    rm -rf "$VENV/.uv-cache"
+    return "$status"
+  }
+else
+  install() { "$VENV/bin/python" -m pip install -q "$@"; }
+fi
 # torch first, so the resolver keeps this build (the local CPU wheel for 3.11; a registry wheel for 3.12 and for
 # npu-torch); a torch other than torch==X installs X over it
 torch_ok="import sys, torch; s = sys.argv[1]; sys.exit('==' in s and torch.__version__.split('+')[0] != s.split('==')[1])"
-"$VENV/bin/python" -c "$torch_ok" "$TORCH_SPEC" 2>/dev/null || "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
+"$VENV/bin/python" -c "$torch_ok" "$TORCH_SPEC" 2>/dev/null || install "$TORCH_SPEC"
 # the vlm extra allows transformers 4.57 to 5.x: each leg pins the major it exercises
 case ",$EXTRAS," in *,vlm,*) PINNED=("$TRANSFORMERS_SPEC") ;; *) PINNED=() ;; esac
 # The editable install writes mm_adaptor.egg-info into this checkout: venvs set up at once take turns here (their
 # torch downloads, above, overlap)
 exec 9>"${TMPDIR:-/tmp}/mm-adaptor-setup-$(printf %s "$PWD" | cksum | cut -d' ' -f1).lock"
 command -v flock >/dev/null && flock 9
-"$VENV/bin/python" -m pip install -q "$MEGATRON_SPEC" ${PINNED[@]+"${PINNED[@]}"} -e ".[$EXTRAS]"
+install "$MEGATRON_SPEC" ${PINNED[@]+"${PINNED[@]}"} -e ".[$EXTRAS]"
 exec 9>&-
 # transformers' video processors need torchvision (tests compare the video pixels with theirs on the newest leg):
 # the build for this torch, without dependencies (they could replace torch)
 if [ "${1:-}" = latest ]; then
   "$VENV/bin/python" -c "import torchvision" 2>/dev/null ||
-    "$VENV/bin/python" -m pip install -q --no-deps "${TORCHVISION_SPEC:-torchvision==0.28.0}"
+    install --no-deps "${TORCHVISION_SPEC:-torchvision==0.28.0}"
 fi
 # Bytecode for this checkout's sources: where PYTHONDONTWRITEBYTECODE is set (this machine and CI), every command and
 # rank otherwise compiles them again on import (a subprocess-heavy test file ran 12% faster with it); Python checks
