@@ -1,18 +1,13 @@
 """The test command's time guard (scripts/time_budget.py): past 45 minutes it warns and past 60 it fails on CI, each
 naming the files that grew since the recorded breakdown; under 45, or off CI, it only reports."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "time_budget.py"
+from scripts_loaded import load_script
 
 
 def _guard():
-    spec = importlib.util.spec_from_file_location("time_budget", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("time_budget")
 
 
 def _times(path, **files):

@@ -2,19 +2,14 @@
 indexes, find-links and constraints pip is configured with, a PIP_* variable over a file's value, and asks for pip's
 best match across every index (uv's default takes the first index that has the package)."""
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "uv_options.py"
+from scripts_loaded import SCRIPTS, load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("uv_options", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("uv_options")
 
 
 LISTED = """\
@@ -49,6 +44,7 @@ def test_the_install_section_wins_over_global_and_an_unconfigured_pip_adds_nothi
 
 def test_it_reads_this_pip_configuration(monkeypatch):
     monkeypatch.setenv("PIP_FIND_LINKS", "/somewhere/wheels")
-    out = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, str(SCRIPTS / "uv_options.py")], capture_output=True, text=True,
+                         check=True).stdout
     lines = out.splitlines()
     assert lines[lines.index("--find-links") + 1] == "/somewhere/wheels", out
