@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from test_qwen3_vl_generate import LOGPROB_TOLERANCE, NEW_TOKENS, PROMPT, _cli  # noqa: E402
+from test_qwen3_vl_generate import LOGPROB_TOLERANCE, NEW_TOKENS, PROMPT, _cli, _convert  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -23,7 +23,7 @@ def converted(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("internvl")
     hf = make_tiny_hf(str(root / "hf"), "internvl", seed=5)
-    _cli("convert", "hf-to-mcore", str(root / "hf"), str(root / "mcore"))
+    _convert(root / "hf", root / "mcore")
     return hf, root
 
 

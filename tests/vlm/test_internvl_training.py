@@ -8,6 +8,7 @@ bytes equal models/internvl/memory.py's formula."""
 import pytest
 
 from mm_adaptor.harness.runner import parse_args, run
+from test_qwen3_vl_generate import _convert
 
 pytestmark = pytest.mark.distributed
 
@@ -50,16 +51,12 @@ def test_loss_falls_with_internvit_frozen(shapes, layout):
 def test_converted_checkpoint_trains_the_projector_only(shapes, tmp_path):
     """--model internvl --load (make_tiny_hf, converted) --data-path at TP2 with both towers frozen (and --log-tps):
     only the projector changes, and it is all that is trainable (its elements per rank from the formula)."""
-    import subprocess
-    import sys
-
     from mm_adaptor.models.internvl import config_from_hf
     from mm_adaptor.models.internvl.memory import projector_elements
     from mm_adaptor.models.make_tiny_hf import make_tiny_hf
 
     hf = make_tiny_hf(str(tmp_path / "hf"), "internvl", seed=5)
-    subprocess.run([sys.executable, "-m", "mm_adaptor.cli", "convert", "hf-to-mcore", str(tmp_path / "hf"),
-                    str(tmp_path / "mcore")], check=True, capture_output=True, timeout=300)
+    _convert(tmp_path / "hf", tmp_path / "mcore")
     dump = run(parse_args(["--model", "internvl", "--load", str(tmp_path / "mcore"), "--data-path", shapes,
                            "--seq-length", "256", "--train-iters", "3", "--timeout", "300", "--freeze-vision",
                            "--freeze-language", "--log-tps", "--tensor-model-parallel-size", "2"]))
