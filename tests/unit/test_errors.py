@@ -3,9 +3,9 @@ programmatic callers still catch it."""
 
 import os
 import subprocess
-import sys
 
 import pytest
+import warm_python
 from stderr_lines import without_torch_notes
 
 from mm_adaptor.devices import NoAcceleratorError
@@ -23,8 +23,7 @@ def run_script(body: str, rank: str | None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MM_ADAPTOR_DEVICE", "TORCHELASTIC_RUN_ID")}
     if rank is not None:
         env["RANK"] = rank
-    return subprocess.run([sys.executable, "-c", SCRIPT.format(body=body)], capture_output=True, text=True,
-                          timeout=300, env=env)
+    return warm_python.run(["-c", SCRIPT.format(body=body)], timeout=300, env=env)
 
 
 RAISE_CONFIG_ERROR = '''

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import warm_python
 from stderr_lines import without_torch_notes
 
 STUB_ARGUMENTS = '''
@@ -54,22 +55,27 @@ import mm_adaptor
 
 
 def run_against_stub(tmp_path, body: str, *, arguments: str = STUB_ARGUMENTS, env: dict | None = None,
-                     check: bool = True) -> subprocess.CompletedProcess:
+                     check: bool = True, fresh: bool = False) -> subprocess.CompletedProcess:
+    """fresh: in a new interpreter, where the one-line import is what imports megatron-core (else warm_python's
+    child of an interpreter that imported it)."""
     training = tmp_path / "stub" / "megatron" / "training"
     training.mkdir(parents=True, exist_ok=True)
     (training / "__init__.py").write_text("")
     (training / "arguments.py").write_text(arguments)
     script = PRELUDE.format(stub=str(tmp_path / "stub")) + textwrap.dedent(body)
     environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "MM_ADAPTOR_DEVICE")}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                            env={**environ, **(env or {})})
+    if fresh:
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                                env={**environ, **(env or {})})
+    else:
+        result = warm_python.run(["-c", script], timeout=300, env={**environ, **(env or {})})
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
 
 
 def test_flags_reach_megatron_parser_and_features_apply_after_validation(tmp_path):
-    result = run_against_stub(tmp_path, '''
+    result = run_against_stub(tmp_path, fresh=True, body='''
         from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as V
         original = V.__dict__["calculate_predicted_logits"]
 

@@ -3,10 +3,8 @@ bubble equals the analytic one, (PP - 1) / M for 1F1B and (PP - 1) / (VPP x M) i
 warm-up holds K more micro-batches per stage and, with transfers slower than a forward, finishes sooner; the command
 prints the three schedules and writes the picture."""
 
-import subprocess
-import sys
-
 import pytest
+import warm_python
 
 from mm_adaptor.cli import schedule
 NO_COMMUNICATION = schedule.Costs(forward=1e-3, backward=2e-3)
@@ -52,8 +50,8 @@ def test_extra_warmup_finishes_sooner_when_a_transfer_outlasts_a_forward():
 
 def test_command_prints_three_schedules_and_writes_the_picture(tmp_path):
     picture = tmp_path / "timeline.svg"
-    done = subprocess.run([sys.executable, "-m", "mm_adaptor.cli", "schedule", "--pp", "4", "--vpp", "2",
-                           "--microbatches", "8", "--svg", str(picture)], capture_output=True, text=True, timeout=300)
+    done = warm_python.run(["-m", "mm_adaptor.cli", "schedule", "--pp", "4", "--vpp", "2", "--microbatches", "8",
+                            "--svg", str(picture)])
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "ms" not in line.split("|")[1]]
     names = [row.split("|")[1].strip() for row in rows[1:]]
@@ -66,6 +64,5 @@ def test_command_prints_three_schedules_and_writes_the_picture(tmp_path):
 
 
 def test_command_refuses_a_schedule_megatron_cannot_run():
-    done = subprocess.run([sys.executable, "-m", "mm_adaptor.cli", "schedule", "--pp", "4", "--vpp", "2",
-                           "--microbatches", "6"], capture_output=True, text=True, timeout=300)
+    done = warm_python.run(["-m", "mm_adaptor.cli", "schedule", "--pp", "4", "--vpp", "2", "--microbatches", "6"])
     assert done.returncode == 2 and "multiple of --pp 4" in done.stderr
