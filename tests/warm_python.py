@@ -84,17 +84,17 @@ else:
     exec(compile(argv[1], "<string>", "exec"), main.__dict__)
 '''
 
-_SERVERS: dict[tuple, subprocess.Popen] = {}
+_SERVERS: dict[tuple, subprocess.Popen] = {}  # by the PYTHON* variables and the preloaded modules
 
 
-def _server(env: dict) -> subprocess.Popen:
-    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith("PYTHON")))
-    server = _SERVERS.get(key)
+def _server(env: dict, preload: tuple[str, ...]) -> subprocess.Popen:
+    python = tuple(sorted((k, v) for k, v in env.items() if k.startswith("PYTHON")))
+    server = _SERVERS.get((python, preload))
     if server is None or server.poll() is not None:
-        code = f"PRELOADED = {PRELOADED!r}\n{_SERVER}"
+        code = f"PRELOADED = {preload!r}\n{_SERVER}"
         server = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, text=True, env={**os.environ, **dict(key)})
-        _SERVERS[key] = server
+                                  stderr=subprocess.DEVNULL, text=True, env={**os.environ, **dict(python)})
+        _SERVERS[(python, preload)] = server
     return server
 
 
@@ -106,14 +106,14 @@ def _stop_servers() -> None:
             server.wait(30)
 
 
-def run(argv: list[str], *, env: dict | None = None, cwd: str | None = None,
-        timeout: float = 300) -> subprocess.CompletedProcess:
+def run(argv: list[str], *, env: dict | None = None, cwd: str | None = None, timeout: float = 300,
+        preload: tuple[str, ...] = PRELOADED) -> subprocess.CompletedProcess:
     """subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
-    for argv = ["-c", code, ...] or ["-m", module, ...]."""
+    for argv = ["-c", code, ...] or ["-m", module, ...]; preload: the modules imported before the fork."""
     if argv[0] not in ("-c", "-m") or len(argv) < 2:
         raise ValueError(f"warm_python runs -c CODE or -m MODULE, not {argv[:2]}")
     env = dict(os.environ if env is None else env)
-    server = _server(env)
+    server = _server(env, tuple(preload))
     with tempfile.TemporaryDirectory() as folder:
         out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
         for path in (out, err):

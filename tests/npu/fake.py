@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
+
+import warm_python
 
 FAKE_NPU_PATH = Path(__file__).resolve().parent.parent / "fake_npu"
 
@@ -22,9 +22,10 @@ def env(devices: int = 2, **extra) -> dict:
 
 
 def run_python(source: str, *, devices: int = 2, timeout: int = 600, **extra) -> dict:
-    """Run `source` (it must print one JSON line prefixed RESULT=) and return that JSON."""
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True,
-                          env=env(devices, **extra), timeout=timeout)
+    """Run `source` (it must print one JSON line prefixed RESULT=) and return that JSON. The interpreter has
+    imported torch alone (warm_python): the script imports torch_npu before megatron-core, as a user's does."""
+    done = warm_python.run(["-c", textwrap.dedent(source)], env=env(devices, **extra), timeout=timeout,
+                           preload=("torch",))
     for line in done.stdout.splitlines():
         if line.startswith("RESULT="):
             return json.loads(line[len("RESULT="):])
