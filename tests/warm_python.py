@@ -98,6 +98,12 @@ def _server(env: dict, preload: tuple[str, ...]) -> subprocess.Popen:
     return server
 
 
+def server_pids() -> set[int]:
+    """The running servers, which live as long as this process does (a check for processes left behind leaves them
+    out, as it does multiprocessing's helpers)."""
+    return {server.pid for server in _SERVERS.values() if server.poll() is None}
+
+
 @atexit.register
 def _stop_servers() -> None:
     for server in _SERVERS.values():

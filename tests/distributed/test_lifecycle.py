@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import warm_python
 
 from mm_adaptor.ranks.launcher import LaunchError, is_process_helper, launch, report_progress
 from trainer_runs import QUICK, scalars, train
@@ -359,7 +360,8 @@ def test_a_library_caller_gets_the_signal_s_own_effect_once_the_ranks_are_gone(t
 
 def test_the_launcher_leaves_no_process_behind():
     """Run last in this module: nothing the tests here started is still running (but this process's own
-    multiprocessing resource tracker and the server its ranks fork from, which live as long as it does)."""
+    multiprocessing resource tracker and the server its ranks fork from, which live as long as it does, and the
+    tests' warm interpreters)."""
     left = [f"{p.pid} {' '.join(p.cmdline())[:100]}" for p in _living(psutil.Process().children(recursive=True))
-            if not is_process_helper(p)]
+            if not is_process_helper(p) and p.pid not in warm_python.server_pids()]
     assert not left, left

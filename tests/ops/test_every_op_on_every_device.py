@@ -4,11 +4,10 @@ loaded (native where the library builds, else the references), so no op can be m
 import importlib
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 
 import mm_adaptor.ops
 
@@ -29,8 +28,8 @@ print("missing:", ", ".join(missing) or "none")
 
 
 def test_every_op_has_a_kernel_for_every_device_key():
-    # a fresh process: registering the CUDA references must not leak into other tests
-    done = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, timeout=600)
+    # a process of its own: registering the CUDA references must not leak into other tests
+    done = warm_python.run(["-c", _CHECK], timeout=600)
     assert done.returncode == 0, done.stderr
     assert "missing: none" in done.stdout, done.stdout
 
