@@ -46,8 +46,8 @@ elif [ "${1:-}" = npu-torch ]; then
   PYTHON=${PYTHON:-python3}
   TORCH_SPEC=${NPU_TORCH_SPEC:-torch==2.6.0}
   # no vlm extra: the leg's files train GPT models (transformers is imported by none of them; its 38 tests passed
-  # with transformers, PIL, av and safetensors made unimportable), and without it the rank server skips Megatron's
-  # tokenizers, which import transformers (seconds)
+  # with transformers, PIL, av and safetensors made unimportable, and pyyaml, which came with transformers, is the
+  # test extra's), and without it the rank server skips Megatron's tokenizers, which import transformers (seconds)
   EXTRAS=${MM_ADAPTOR_EXTRAS:-test}
 else
   VENV=.venv
