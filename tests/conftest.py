@@ -99,3 +99,13 @@ def native_ops_built():
     from mm_adaptor.ops import builder
 
     builder.build("cpu")
+
+
+@pytest.fixture(scope="module")
+def megatron_fusions_eager():
+    """Megatron's torch.compile'd fusions (jit_fuser) run their operations eagerly: a unit test compares their
+    arithmetic, and compiling them cost 10-19 s of a core each on the CPU (bias_swiglu, GroupedMLP's activation)."""
+    import torch
+
+    with torch.compiler.set_stance("force_eager"):
+        yield

@@ -18,12 +18,13 @@ from gloo_rank import one_gloo_rank
 from megatron_releases import requires_grouped_mlp
 
 
+pytestmark = pytest.mark.usefixtures("megatron_fusions_eager")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def single_rank_megatron_module():
-    """conftest's single_rank_megatron once for this module: installing the CPU backend costs seconds. Megatron's
-    torch.compile'd fusions (jit_fuser) run their operations eagerly here: compiling bias_swiglu alone took 12-19 s
-    of a core on each leg, and what is compared is the arithmetic, not the compiler's kernels."""
-    with one_gloo_rank(), torch.compiler.set_stance("force_eager"):
+    """conftest's single_rank_megatron once for this module: installing the CPU backend costs seconds."""
+    with one_gloo_rank():
         yield
 
 

@@ -10,6 +10,8 @@ from megatron_releases import requires_grouped_mlp
 import mm_adaptor
 from mm_adaptor.core.features import FeatureConfigError
 
+pytestmark = pytest.mark.usefixtures("megatron_fusions_eager")
+
 
 @pytest.fixture
 def cpu_backend():
