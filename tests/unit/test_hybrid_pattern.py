@@ -2,8 +2,10 @@
 any rank starts, from train and from check; and the pattern rules, which need no megatron. (Training a HybridModel:
 tests/latest/test_hybrid_model.py, on the newest megatron-core.)"""
 
+import subprocess
+import sys
+
 import pytest
-import warm_python
 
 from mm_adaptor.train import hybrid
 
@@ -13,7 +15,8 @@ needs_no_hybrid_model = pytest.mark.skipif(hybrid.available(), reason="this mega
 @needs_no_hybrid_model
 @pytest.mark.parametrize("command", [["train"], ["check", "--use-flash-attn"]])
 def test_the_flag_refuses_in_one_line_where_megatron_core_has_no_hybrid_model(command):
-    done = warm_python.run(["-m", "mm_adaptor.cli", *command, "--hybrid-layer-pattern=*-*-"], timeout=120)
+    done = subprocess.run([sys.executable, "-m", "mm_adaptor.cli", *command, "--hybrid-layer-pattern=*-*-"],
+                          capture_output=True, text=True, timeout=120)
     lines = [line for line in done.stderr.splitlines() if ": error: " in line]
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     from mm_adaptor.train import megatron_training
