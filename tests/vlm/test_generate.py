@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from test_qwen3_vl_generate import _convert
+from hf_converted import convert_in_process
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
@@ -39,7 +39,7 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path, shapes):
     image = os.path.join(os.path.dirname(shapes), "images", "00003.png")
     prompt = "What is in the picture?"
     hf = make_tiny_hf(str(tmp_path / "hf"), seed=3)
-    _convert(tmp_path / "hf", tmp_path / "mcore")
+    convert_in_process(tmp_path / "hf", tmp_path / "mcore")
     done = _cli("generate", "--load", str(tmp_path / "mcore"), "--image", image, "--prompt", prompt,
                 "--max-new-tokens", str(NEW_TOKENS))
     ours = [int(t) for t in re.search(r"generated \d+ tokens: \[(.*)\]", done.stderr).group(1).split(",")]

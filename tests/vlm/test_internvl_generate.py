@@ -8,11 +8,12 @@ import json
 import os
 
 import pytest
+from hf_converted import convert_in_process
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from test_qwen3_vl_generate import LOGPROB_TOLERANCE, NEW_TOKENS, PROMPT, _cli, _convert  # noqa: E402
+from test_qwen3_vl_generate import LOGPROB_TOLERANCE, NEW_TOKENS, PROMPT, _cli  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -23,7 +24,7 @@ def converted(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("internvl")
     hf = make_tiny_hf(str(root / "hf"), "internvl", seed=5)
-    _convert(root / "hf", root / "mcore")
+    convert_in_process(root / "hf", root / "mcore")
     return hf, root
 
 

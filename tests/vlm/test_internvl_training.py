@@ -8,7 +8,7 @@ bytes equal models/internvl/memory.py's formula."""
 import pytest
 
 from mm_adaptor.harness.runner import parse_args, run
-from test_qwen3_vl_generate import _convert
+from hf_converted import convert_in_process
 
 pytestmark = pytest.mark.distributed
 
@@ -56,7 +56,7 @@ def test_converted_checkpoint_trains_the_projector_only(shapes, tmp_path):
     from mm_adaptor.models.make_tiny_hf import make_tiny_hf
 
     hf = make_tiny_hf(str(tmp_path / "hf"), "internvl", seed=5)
-    _convert(tmp_path / "hf", tmp_path / "mcore")
+    convert_in_process(tmp_path / "hf", tmp_path / "mcore")
     dump = run(parse_args(["--model", "internvl", "--load", str(tmp_path / "mcore"), "--data-path", shapes,
                            "--seq-length", "256", "--train-iters", "3", "--timeout", "300", "--freeze-vision",
                            "--freeze-language", "--log-tps", "--tensor-model-parallel-size", "2"]))

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from hf_converted import convert_in_process
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
@@ -25,14 +26,6 @@ def _cli(*argv):
     return done
 
 
-def _convert(hf, mcore):
-    """`mm-adaptor convert hf-to-mcore` in this process (its command line is tests/convert's): a fresh interpreter
-    costs 6-8 s of CPU importing torch, transformers and megatron-core again."""
-    from mm_adaptor.cli import main
-
-    assert main(["convert", "hf-to-mcore", str(hf), str(mcore)]) == 0
-
-
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     from mm_adaptor.models.make_tiny_hf import make_tiny_hf
@@ -41,7 +34,7 @@ def converted(tmp_path_factory):
     for model in ("qwen3_vl", "qwen3_vl_moe"):
         root = tmp_path_factory.mktemp(model)
         hf = make_tiny_hf(str(root / "hf"), model, seed=5)
-        _convert(root / "hf", root / "mcore")
+        convert_in_process(root / "hf", root / "mcore")
         made[model] = (hf, root / "mcore")
     return made
 
