@@ -14,6 +14,8 @@ import pickle
 import shutil
 from pathlib import Path
 
+from mm_adaptor.core import checkpoint_writer
+
 MARKER = "latest_checkpointed_iteration.txt"  # what the built-in driver's --load reads (train/checkpoint.py)
 ITER_DIR = "iter_0000000"
 INFO = "mm_adaptor_convert.json"  # the conversion's layout and family, beside the HF config in hf/
@@ -41,20 +43,9 @@ def single_process_group():
             yield
         finally:
             dist.destroy_process_group()
-            _stop_megatrons_write_results_server()
+            checkpoint_writer.stop_results_server()
             if cpu:
                 devices.uninstall()
-
-
-def _stop_megatrons_write_results_server() -> None:
-    """megatron's checkpoint writer keeps a multiprocessing Manager (a server process) for its results queue for
-    the life of the process; a converter called as a library must not leave that process behind."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    queue = filesystem_async._results_queue
-    if queue is not None:
-        queue._manager.shutdown()
-        filesystem_async._results_queue = None
 
 
 def sharded_tensor(key: str, tensor, offsets: tuple = (), totals: tuple = ()):
@@ -109,6 +100,7 @@ class PieceWriter:
         totals = {key: tuple(sizes) for key, _, offsets, sizes in tensors if offsets}
         piece = self.staging / f"piece_{len(self.pieces):05d}"
         piece.mkdir(parents=True)
+        checkpoint_writer.fork_results_server()
         dist_checkpointing.save({"model": sharded, "iteration": 0}, str(piece), content_metadata=content_metadata)
         self.pieces.append((piece, {key: (indices, totals[key]) for key, indices in stacks.items()}))
 

@@ -17,6 +17,7 @@ The trainer's own patch set attaches to Megatron's engine only where it has no w
 
 from __future__ import annotations
 
+from mm_adaptor.core import checkpoint_writer
 from mm_adaptor.core.patching import SUPPORTED_MEGATRON_CORE, Contract, PatchSet
 from mm_adaptor.train import argument_docs
 
@@ -277,7 +278,7 @@ def _with_side_files(wrapped, _instance, args, kwargs):
 
     from mm_adaptor.train import families
 
-    _results_queue_forked()
+    checkpoint_writer.fork_results_server()
     result = wrapped(*args, **kwargs)
     megatron_args = get_args()
     if megatron_args.save:
@@ -285,22 +286,13 @@ def _with_side_files(wrapped, _instance, args, kwargs):
     return result
 
 
-def _results_queue_forked() -> None:
-    """A torch_dist save's writers report through a multiprocessing manager's queue, which megatron-core starts
-    spawned on the first save: a fresh interpreter importing torch, 4 s per rank on 2 CPU cores. Forked it starts at
-    once; it only serves the queue, and Megatron-LM forks it so itself for its persistent asynchronous writer."""
-    import inspect
+def run_rank(argv: list[str], handoff: dict | bytes | None = None) -> None:
+    """This rank's whole job: the one-line import, the trainer's patches, pretrain(). `handoff`: the launcher's
+    check's findings (pickled where the launcher did not import what they are made of)."""
+    if isinstance(handoff, bytes):
+        import pickle
 
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    make = getattr(filesystem_async, "get_write_results_queue", None)
-    if (make is not None and getattr(filesystem_async, "_results_queue", True) is None
-            and "mp_mode" in inspect.signature(make).parameters):
-        make(mp_mode="fork")
-
-
-def run_rank(argv: list[str], handoff: dict | None = None) -> None:
-    """This rank's whole job: the one-line import, the trainer's patches, pretrain()."""
+        handoff = pickle.loads(handoff)
     import mm_adaptor.megatron_adaptor  # noqa: F401  (the device backend, feature flags and features)
     from mm_adaptor.ranks.process import write_whole_lines
     from mm_adaptor.train import arguments, megatron_training, providers

@@ -14,6 +14,7 @@ from pathlib import Path
 from mm_adaptor.train import families
 from mm_adaptor.harness.runner.checkpoint_files import (  # noqa: F401  (latest_checkpoint: callers read it here too)
     CONTENTS, MARKER, checkpoint_dir, latest_checkpoint, publish, replace_file)
+from mm_adaptor.core import checkpoint_writer
 from mm_adaptor.core.wrapped import unwrap
 
 
@@ -57,6 +58,7 @@ def save_checkpoint(state, directory: str, *, save_optim: bool = True, save_rng:
         shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
         staging.mkdir(parents=True)
     backend.barrier()
+    checkpoint_writer.fork_results_server()
     dist_checkpointing.save(_sharded_state_dict(state, is_loading=False, with_optimizer=save_optim), str(staging))
     if save_rng:
         _save_rng(staging)
