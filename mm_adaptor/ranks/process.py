@@ -267,3 +267,68 @@ def exit_skipping_teardown(code: int) -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+# ---- a launcher's own question, answered where torch and megatron-core are imported already ----
+
+class _ChildTraceback(Exception):
+    def __init__(self, text: str):
+        super().__init__(text)
+
+    def __str__(self) -> str:
+        return f"\n{self.args[0]}"
+
+
+def call_in_rank_server(fn, *args):
+    """fn(*args) in a child forked from the rank server, with this process's environment, folder and stdio:
+    a launcher's check of its command line needs torch and megatron-core, whose imports (about 10 s of CPU) the
+    server has done, and would otherwise repeat here. Returns what fn returns, or raises what it raised (its
+    traceback as the cause). Where ranks are spawned there is no server: fn runs here."""
+    ctx = rank_context()
+    if ctx.get_start_method() != "forkserver":
+        return fn(*args)
+    receiving, sending = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_answer, name="command-line check", daemon=False,
+                        args=(fn, args, sending, os.getpid(), dict(os.environ), os.getcwd(), stdio_for(ctx)))
+    child.start()
+    sending.close()
+    try:
+        kind, value, text = receiving.recv()
+    except EOFError:
+        child.join()
+        raise RuntimeError(f"the command line's check in a forked process died (exit {child.exitcode})") from None
+    except BaseException:  # interrupted meanwhile (a long data check): the child goes at once
+        child.kill()
+        raise
+    finally:
+        receiving.close()
+    child.join(timeout=30)  # it exits right after its reply
+    if child.exitcode is None:
+        child.kill()
+    if kind == "raised":
+        raise value from _ChildTraceback(text)
+    return value
+
+
+def _answer(fn, args, sending, launcher_pid, environment, folder, stdio) -> None:
+    import pickle
+    import traceback
+
+    die_with_launcher(launcher_pid)
+    os.environ.clear()
+    os.environ.update(environment)
+    os.chdir(folder)
+    try:
+        reply = ("returned", fn(*args), "")
+    except BaseException as exc:  # noqa: BLE001 - the launcher raises it
+        reply = ("raised", exc, traceback.format_exc())
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    try:
+        sending.send(reply)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        kind, value, text = reply
+        sending.send(("raised", RuntimeError(f"{type(value).__name__}: {value}"), text))
+    sending.close()
+    exit_skipping_teardown(0)

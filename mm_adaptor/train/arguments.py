@@ -45,6 +45,9 @@ class UsageError(ValueError):
         super().__init__("\n".join(problems))
         self.problems = list(problems)
 
+    def __reduce__(self):  # each problem its own line after a trip between processes too
+        return type(self), tuple(self.problems)
+
 
 class MegatronParser(ArgumentParser):
     """Megatron-LM's parser object, given the adaptor's one-line errors and a --help that formats every help text

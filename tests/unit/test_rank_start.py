@@ -216,3 +216,37 @@ def test_a_printed_line_is_one_write_even_unbuffered(monkeypatch, whole):
         assert raw.calls == [b"iteration 1 |\n"]
     else:  # the broken variant: another rank's text can land between these two
         assert raw.calls == [b"iteration 1 |", b"\n"]
+
+
+def _where():
+    return {"pid": os.getpid(), "parent": os.getppid(), "folder": os.getcwd(),
+            "marker": os.environ.get("MM_ADAPTOR_TEST_MARKER"), "preloaded": "megatron.core" in sys.modules}
+
+
+def _refuse():
+    from mm_adaptor.train.arguments import UsageError
+
+    raise UsageError("first problem", "second problem")
+
+
+def test_a_launchers_question_is_answered_by_a_fork_of_the_rank_server(monkeypatch, tmp_path):
+    """mm-adaptor train checks its command line there (call_in_rank_server), not in the launcher: the answer comes
+    from another process, the server's child, with the launcher's environment and folder; what it raises is raised
+    here. (Run in this process, the first assertion fails.)"""
+    from mm_adaptor.train.arguments import UsageError
+
+    monkeypatch.setenv("MM_ADAPTOR_TEST_MARKER", "asked")
+    monkeypatch.chdir(tmp_path)
+    where = process.call_in_rank_server(_where)
+    assert where["pid"] != os.getpid() and where["parent"] != os.getpid(), where
+    assert "forkserver" in " ".join(psutil_cmdline(where["parent"]))
+    assert where["folder"] == str(tmp_path) and where["marker"] == "asked" and where["preloaded"], where
+    with pytest.raises(UsageError) as refused:
+        process.call_in_rank_server(_refuse)
+    assert refused.value.problems == ["first problem", "second problem"]
+
+
+def psutil_cmdline(pid: int) -> list[str]:
+    import psutil
+
+    return psutil.Process(pid).cmdline()
