@@ -272,8 +272,7 @@ def exit_skipping_teardown(code: int) -> None:
 # ---- a launcher's own question, answered where torch and megatron-core are imported already ----
 
 class _ChildTraceback(Exception):
-    def __init__(self, text: str):
-        super().__init__(text)
+    """The child's traceback, as the cause of what it raised."""
 
     def __str__(self) -> str:
         return f"\n{self.args[0]}"
