@@ -161,9 +161,25 @@ def _ranks_run_on_cuda() -> bool:
     forced = os.environ.get("MM_ADAPTOR_DEVICE", "").strip().lower()  # devices.DEVICE_ENV (ranks/ sits below devices/)
     if forced:
         return forced == "cuda"
+    if "torch" not in sys.modules and not _gpu_device_nodes():
+        return False  # what torch would answer, without its import (about 3 s of CPU in a launcher)
     import torch
 
     return torch.cuda.is_available()
+
+
+DEVICE_NODES = "/dev"
+# NVIDIA's driver (nvidia0, nvidiactl), Jetson's (nvhost-*, nvgpu), WSL's (dxg), ROCm's (kfd): any of them, and torch
+# is asked
+_GPU_NODE_PREFIXES = ("nvidia", "nvhost", "nvgpu", "dxg", "kfd")
+
+
+def _gpu_device_nodes(folder: str | None = None) -> list[str]:
+    try:
+        names = os.listdir(folder or DEVICE_NODES)
+    except OSError:
+        return ["(unreadable)"]
+    return [name for name in names if name.startswith(_GPU_NODE_PREFIXES)]
 
 
 def rank_context():
