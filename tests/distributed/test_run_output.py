@@ -44,7 +44,7 @@ def test_train_prints_megatron_s_lines_and_no_warning_text():
 
 
 def test_verbose_shows_each_warning_once():
-    done = _cli("train", "--train-iters", "1", "--verbose", *TINY, *NO_FUSIONS)
+    done = _cli("train", "--train-iters", "1", "--eval-iters", "1", "--verbose", *TINY, *NO_FUSIONS)
     assert done.returncode == 0, done.stderr
     warnings = [line for line in done.stderr.splitlines() if line.startswith("warning: ")]
     assert any("Transformer Engine and Apex are not installed" in line for line in warnings), done.stderr
