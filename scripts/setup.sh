@@ -62,20 +62,28 @@ created=no
 # with its CUDA libraries took pip 56 s and uv 29 s here, from empty caches. uv does not read pip's configuration:
 # the index, extra indexes, find-links and constraints pip would use (`pip config list`) are passed on, and every
 # index is searched for the best match, as pip does. MM_ADAPTOR_INSTALLER=pip installs with pip instead.
+# MM_ADAPTOR_LAZY_BYTECODE=1 (the test command, which lets Python write the bytecode of what it imports): none for
+# the packages' files (compiling .venv-latest's 11,874 took 42 s of CPU; the suite imports about half of them)
+lazy=no
+[ "${MM_ADAPTOR_LAZY_BYTECODE:-0}" = 1 ] && lazy=yes
 if [ "${MM_ADAPTOR_INSTALLER:-uv}" = uv ]; then
+  compile=(--compile-bytecode)
+  [ "$lazy" = yes ] && compile=()
   [ -x "$VENV/bin/uv" ] || "$VENV/bin/python" -m pip install -q "${UV_SPEC:-uv==0.13.9}"
   mapfile -t UV_OPTIONS < <("$VENV/bin/python" scripts/uv_options.py)
   install() {
     # no cache kept: uv unpacks into one inside the venv, on its disk, and hard-links the files in from there
     local cache=(--cache-dir "$VENV/.uv-cache") status=0
     [ "${MM_ADAPTOR_PIP_CACHE:-0}" = 1 ] && cache=()
-    "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --compile-bytecode ${cache[@]+"${cache[@]}"} \
-      ${UV_OPTIONS[@]+"${UV_OPTIONS[@]}"} "$@" || status=$?
+    "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" ${compile[@]+"${compile[@]}"} \
+      ${cache[@]+"${cache[@]}"} ${UV_OPTIONS[@]+"${UV_OPTIONS[@]}"} "$@" || status=$?
     rm -rf "$VENV/.uv-cache"
     return "$status"
   }
 else
-  install() { "$VENV/bin/python" -m pip install -q "$@"; }
+  compile=()
+  [ "$lazy" = yes ] && compile=(--no-compile)
+  install() { "$VENV/bin/python" -m pip install -q ${compile[@]+"${compile[@]}"} "$@"; }
 fi
 # torch first, so the resolver keeps this build (the local CPU wheel for 3.11; a registry wheel for 3.12 and for
 # npu-torch); a torch other than torch==X installs X over it

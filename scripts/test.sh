@@ -59,6 +59,12 @@ on_npu_torch() {
   MM_ADAPTOR_TEST_LEG="npu-torch-$version" .venv-npu-torch/bin/python -m pytest -q -p no:cacheprovider "$@"
 }
 
+# Bytecode: the venvs' installs compile none (setup.sh), the tests' processes write it for what they import, once
+# (about half of the packages' files; PYTHONDONTWRITEBYTECODE, set on this machine and CI, would have every process
+# compile them again)
+export MM_ADAPTOR_LAZY_BYTECODE=1
+unset PYTHONDONTWRITEBYTECODE
+
 # The time guard (scripts/time_budget.py): the whole command's seconds and each leg's seconds per test file.
 started=$(date +%s)
 export MM_ADAPTOR_TEST_TIMES=${MM_ADAPTOR_TEST_TIMES:-$(mktemp --suffix=.json)}
