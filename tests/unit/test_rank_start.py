@@ -144,10 +144,9 @@ def test_cuda_ranks_are_spawned(monkeypatch, device, method):
     assert launcher.rank_context().get_start_method() == method
 
 
-
 def test_without_gpu_device_nodes_a_launcher_decides_without_importing_torch(tmp_path):
     """`mm-adaptor train`'s launcher asks whether ranks run on CUDA before anything else imports torch (3 s of CPU):
-    with no GPU driver's device node it answers no as torch would; with one, torch itself answers."""
+    with no GPU driver's device node it answers no as torch would; the nodes it finds are the ones torch is asked on."""
     env = {key: value for key, value in os.environ.items() if key != "MM_ADAPTOR_DEVICE"}
     probe = ("import sys; from mm_adaptor.ranks import process; process.DEVICE_NODES = sys.argv[1]; "
              "print(process._ranks_run_on_cuda(), 'torch' in sys.modules)")
