@@ -174,9 +174,9 @@ DEVICE_NODES = "/dev"
 _GPU_NODE_PREFIXES = ("nvidia", "nvhost", "nvgpu", "dxg", "kfd")
 
 
-def _gpu_device_nodes(folder: str | None = None) -> list[str]:
+def _gpu_device_nodes() -> list[str]:
     try:
-        names = os.listdir(folder or DEVICE_NODES)
+        names = os.listdir(DEVICE_NODES)
     except OSError:
         return ["(unreadable)"]
     return [name for name in names if name.startswith(_GPU_NODE_PREFIXES)]

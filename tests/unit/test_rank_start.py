@@ -144,7 +144,7 @@ def test_cuda_ranks_are_spawned(monkeypatch, device, method):
     assert launcher.rank_context().get_start_method() == method
 
 
-def test_without_gpu_device_nodes_a_launcher_decides_without_importing_torch(tmp_path):
+def test_without_gpu_device_nodes_a_launcher_decides_without_importing_torch(monkeypatch, tmp_path):
     """`mm-adaptor train`'s launcher asks whether ranks run on CUDA before anything else imports torch (3 s of CPU):
     with no GPU driver's device node it answers no as torch would; the nodes it finds are the ones torch is asked on."""
     env = {key: value for key, value in os.environ.items() if key != "MM_ADAPTOR_DEVICE"}
@@ -155,9 +155,10 @@ def test_without_gpu_device_nodes_a_launcher_decides_without_importing_torch(tmp
                           timeout=120)
     assert done.stdout.split() == ["False", "False"], done.stdout + done.stderr
 
+    monkeypatch.setattr(process, "DEVICE_NODES", str(tmp_path))
     for node in ("nvidia0", "kfd", "dxg"):  # NVIDIA's driver, ROCm's, WSL's: then torch is asked
         (tmp_path / node).touch()
-        assert process._gpu_device_nodes(str(tmp_path)) == [node]
+        assert process._gpu_device_nodes() == [node]
         (tmp_path / node).unlink()
 
 
